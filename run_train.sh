@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# NGPU=2 CONFIG_FILE=./train_configs/llama_debug.toml ./run_train.sh [--section.key value ...]
+# NGPU counts processes per node (each on the CPU over gloo where there is no accelerator).
+# Several nodes: NNODES=2 NODE_RANK=0|1 RDZV_ENDPOINT=host:29500 ./run_train.sh ... on each node.
+set -eu
+NGPU=${NGPU:-1}
+NNODES=${NNODES:-1}
+CONFIG_FILE=${CONFIG_FILE:-./train_configs/llama_debug.toml}
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python}
+
+# Bad input fails here, in one line, before any process is started.
+"$PYTHON" -m torchtitan_rng.preflight --job.config_file "$CONFIG_FILE" "$@"
+
+if [ "$NNODES" -gt 1 ]; then
+  rdzv=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
+        --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT to host:port of node 0}")
+else
+  rdzv=(--standalone --nnodes 1)
+fi
+exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NGPU" --local-ranks-filter 0 \
+  --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"

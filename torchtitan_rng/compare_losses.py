@@ -1,0 +1,74 @@
+"""Compare two loss logs bit for bit.
+
+    python -m torchtitan_rng.compare_losses RUN_A RUN_B
+
+RUN_A/RUN_B are loss_log.jsonl files or the dump folders holding them. Exit 0 when both cover the same
+steps with bitwise-equal losses; 1 with the first differing step otherwise; 2 when a log cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan_rng.loss_log import LossLogError, read_loss_log
+
+
+def same_bits(a: float, b: float) -> bool:
+    return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
+
+
+def _span(steps: list[int]) -> str:
+    return f"{len(steps)} steps ({steps[0]}..{steps[-1]})" if steps else "no steps"
+
+
+@dataclass
+class Comparison:
+    equal: bool
+    message: str
+    first_step: int | None = None
+
+
+def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> Comparison:
+    steps_a, steps_b = sorted(a), sorted(b)
+    for step in sorted(set(a) & set(b)):
+        loss_a, loss_b = float(a[step]["loss"]), float(b[step]["loss"])
+        if not same_bits(loss_a, loss_b):
+            return Comparison(
+                False,
+                f"first differing step {step}: A loss {loss_a!r}, B loss {loss_b!r}, difference {loss_b - loss_a!r}",
+                step,
+            )
+    if steps_a != steps_b:
+        only_a = sorted(set(a) - set(b))
+        only_b = sorted(set(b) - set(a))
+        return Comparison(
+            False,
+            f"the logs cover different steps: A has {_span(steps_a)}, B has {_span(steps_b)}"
+            f" (only in A: {_span(only_a)}; only in B: {_span(only_b)})",
+            (only_a + only_b)[0],
+        )
+    return Comparison(True, f"identical: {_span(steps_a)} with bitwise-equal losses")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_rng.compare_losses", description=__doc__.split("\n")[1])
+    parser.add_argument("run_a", type=Path, help="loss_log.jsonl or the dump folder of run A")
+    parser.add_argument("run_b", type=Path, help="loss_log.jsonl or the dump folder of run B")
+    args = parser.parse_args(argv)
+    try:
+        records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
+    except LossLogError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = compare_records(records_a, records_b)
+    print(result.message)
+    return 0 if result.equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The job configuration: dataclass sections filled from defaults, then a TOML file, then the command line.
+
+Precedence is CLI > TOML > defaults. Anything unknown or ill-typed raises :class:`ConfigError` with one
+line naming it; the entry points turn that into exit code 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib as toml_reader
+else:  # pragma: no cover - Python 3.10
+    import tomli as toml_reader
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line saying what is wrong and what to do."""
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    dump_folder: str = "./outputs"
+    description: str = ""
+    # A module imported before the model is looked up; it may register its own train spec (see README).
+    custom_module: str = ""
+
+
+@dataclass
+class Model:
+    name: str = "llama"
+    flavor: str = "debug"
+
+
+@dataclass
+class Training:
+    steps: int = 20
+    local_batch_size: int = 8
+    seq_len: int = 64
+    max_norm: float = 1.0
+    # A UTF-8 text file for the LLM trainer; empty means the text that ships with Python itself.
+    dataset_path: str = ""
+    # Flux: probability of replacing a caption by the empty prompt (classifier-free guidance).
+    classifier_free_guidance_prob: float = 0.1
+    # Flux: "uniform" or "logit_normal" timesteps.
+    timestep_sampling: str = "logit_normal"
+    image_size: int = 16
+
+
+@dataclass
+class Data:
+    num_workers: int = 0
+    # Samples per epoch (0 = everything the dataset has); small values make debug runs cross epochs.
+    num_samples: int = 0
+    prefetch_factor: int = 2
+    snapshot_every_n_steps: int = 1
+    # Carry the global RNGs that a dataset uses inside worker processes across a resume (form 2).
+    capture_worker_rng: bool = True
+    # Form 2 and a changed num_workers cannot resume exactly; "error" refuses, "warn" continues inexactly.
+    on_num_workers_change: str = "error"
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    lr: float = 1e-3
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    # The step count the decay is planned for; 0 means training.steps. Pin it to stop early and resume.
+    total_steps: int = 0
+    decay_type: str = "linear"
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = "checkpoint"
+    interval: int = 10
+    # Load this step instead of the newest complete checkpoint (-1: newest).
+    load_step: int = -1
+    # Keep only the newest k complete checkpoints (0: keep all).
+    keep_latest_k: int = 0
+    # A checkpoint folder (step-N) or a folder of them, used when dump_folder has no checkpoint yet.
+    initial_load_path: str = ""
+    # Parts not to load: any of model, optimizer, lr_scheduler, dataloader, train_state.
+    exclude_from_loading: list[str] = field(default_factory=list)
+    # "disabled" or "async" (the loop goes on while DCP writes).
+    async_mode: str = "disabled"
+    # Restore the saved random streams on resume; switch off only to see what breaks without it.
+    restore_rng: bool = True
+    # What to do when resuming with another number of processes: "error" or "reseed" (inexact).
+    on_world_size_change: str = "error"
+    # Refuse checkpoints that carry no RNG state instead of loading them with a warning.
+    strict_rng: bool = False
+    # Restore the CPU/NumPy/Python streams from a checkpoint saved on another device type.
+    allow_device_type_change: bool = False
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+
+
+@dataclass
+class Parallelism:
+    # Processes that shard the model (FSDP2); -1 means all of them.
+    data_parallel_shard_degree: int = -1
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    freq: int = 5
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    deterministic: bool = False
+    # Write a fingerprint of every random stream, per rank, into each loss-log line.
+    rng_fingerprint: bool = False
+
+
+@dataclass
+class Signals:
+    # Signals that make all ranks checkpoint at the next step boundary and exit 0.
+    checkpoint_on: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)
+    signals: Signals = field(default_factory=Signals)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "training.timestep_sampling": ("uniform", "logit_normal"),
+    "data.on_num_workers_change": ("error", "warn"),
+    "optimizer.name": ("AdamW", "Adam", "SGD"),
+    "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
+    "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.on_world_size_change": ("error", "reseed"),
+}
+
+# (key, lowest allowed value) for numbers that must not be below a bound.
+_MINIMUMS: dict[str, float] = {
+    "training.steps": 1,
+    "training.local_batch_size": 1,
+    "training.seq_len": 2,
+    "training.max_norm": 0,
+    "training.image_size": 4,
+    "data.num_workers": 0,
+    "data.num_samples": 0,
+    "data.prefetch_factor": 1,
+    "data.snapshot_every_n_steps": 1,
+    "optimizer.lr": 0,
+    "lr_scheduler.warmup_steps": 0,
+    "lr_scheduler.total_steps": 0,
+    "checkpoint.interval": 1,
+    "checkpoint.keep_latest_k": 0,
+    "metrics.log_freq": 1,
+    "validation.freq": 1,
+}
+
+
+def _section_fields(section: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section)}
+
+
+def _convert(dotted: str, raw: Any, annotation: Any, from_cli: bool) -> Any:
+    """Coerce one value to the field's type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(annotation)
+    type_name = getattr(annotation, "__name__", str(annotation))
+    if origin is list:
+        if from_cli and isinstance(raw, str):
+            return [part for part in raw.split(",") if part]
+        if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
+            return raw
+        raise ConfigError(f"config {dotted}: expected a list of strings, got {raw!r}")
+    if annotation is bool:
+        if isinstance(raw, bool):
+            return raw
+        if from_cli and isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ConfigError(f"config {dotted}: expected true or false, got {raw!r}")
+    if annotation is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if from_cli and isinstance(raw, str):
+            try:
+                return int(raw)
+            except ValueError:
+                pass
+        raise ConfigError(f"config {dotted}: expected an integer, got {raw!r}")
+    if annotation is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        if from_cli and isinstance(raw, str):
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        raise ConfigError(f"config {dotted}: expected a number, got {raw!r}")
+    if annotation is str:
+        if isinstance(raw, str):
+            return raw
+        raise ConfigError(f"config {dotted}: expected a string, got {raw!r}")
+    raise ConfigError(f"config {dotted}: unsupported type {type_name}")  # pragma: no cover
+
+
+def _set(config: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = _section_fields(config)
+    if section_name not in sections or not key:
+        raise ConfigError(f"unknown config section {section_name!r}; valid sections: {', '.join(sections)}")
+    section = getattr(config, section_name)
+    fields = _section_fields(section)
+    if key not in fields:
+        raise ConfigError(f"unknown config key {dotted!r}; valid keys in [{section_name}]: {', '.join(fields)}")
+    annotation = typing.get_type_hints(type(section))[key]
+    setattr(section, key, _convert(dotted, raw, annotation, from_cli))
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} does not exist; pass an existing TOML file to --job.config_file")
+    try:
+        return toml_reader.loads(file.read_text())
+    except (toml_reader.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
+
+
+def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
+    """``--a.b v``, ``--a.b=v`` and a bare ``--a.b`` (true) into (key, raw) pairs, in order."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            pairs.append((name, value))
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((name, argv[i + 1]))
+            i += 2
+        else:
+            pairs.append((name, "true"))
+            i += 1
+    return pairs
+
+
+def validate(config: JobConfig) -> None:
+    """Range and choice checks that apply whatever the source of a value."""
+    for dotted, minimum in _MINIMUMS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value < minimum:
+            raise ConfigError(f"config {dotted} = {value} is out of range; it must be >= {minimum:g}")
+    for dotted, choices in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value not in choices:
+            raise ConfigError(f"config {dotted} = {value!r} is not valid; choose one of: {', '.join(choices)}")
+    probability = config.training.classifier_free_guidance_prob
+    if not 0.0 <= probability <= 1.0:
+        raise ConfigError(f"config training.classifier_free_guidance_prob = {probability} must be in [0, 1]")
+    if config.checkpoint.async_mode == "async" and config.checkpoint.keep_latest_k == 1:
+        raise ConfigError(
+            "config checkpoint.keep_latest_k = 1 cannot be used with checkpoint.async_mode = 'async' "
+            "(the previous checkpoint may still be written); use keep_latest_k >= 2 or 0"
+        )
+    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+    for name in config.checkpoint.exclude_from_loading:
+        if name not in parts:
+            raise ConfigError(
+                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(parts)}"
+            )
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """Defaults, then the TOML file named by --job.config_file, then every other override."""
+    pairs = _split_cli(argv)
+    config = JobConfig()
+    config_files = [raw for name, raw in pairs if name == "job.config_file"]
+    if config_files:
+        for section_name, values in _load_toml(config_files[-1]).items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file: {section_name!r} must be a [section] table")
+            for key, raw in values.items():
+                _set(config, f"{section_name}.{key}", raw, from_cli=False)
+    for name, raw in pairs:
+        _set(config, name, raw, from_cli=True)
+    validate(config)
+    return config
+
+
+def lr_total_steps(config: JobConfig) -> int:
+    """The horizon of the learning-rate schedule (pinned by lr_scheduler.total_steps)."""
+    return config.lr_scheduler.total_steps or config.training.steps
+
+
+def to_dict(config: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

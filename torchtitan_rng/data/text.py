@@ -1,0 +1,59 @@
+"""The LLM trainer's data: byte-level tokens over a text, with random window offsets (derived per sample).
+
+With no ``training.dataset_path`` the text is the source of a few modules of Python's own standard
+library, so nothing is downloaded; it can differ between Python versions, never between two runs on one
+machine.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from torchtitan_rng.data.sampler import split_sample_key
+from torchtitan_rng.rng import derived_generator
+
+_STDLIB_MODULES = ("textwrap", "heapq", "bisect", "fractions", "random", "string", "difflib")
+
+
+def default_corpus() -> bytes:
+    import importlib
+
+    return "\n".join(inspect.getsource(importlib.import_module(name)) for name in _STDLIB_MODULES).encode()
+
+
+def load_corpus(dataset_path: str) -> bytes:
+    if not dataset_path:
+        return default_corpus()
+    return Path(dataset_path).read_bytes()
+
+
+class ByteWindowDataset(Dataset):
+    """Sample ``index`` is a window of ``seq_len + 1`` bytes starting near ``index * stride``.
+
+    The exact start is shifted by a random offset drawn from ``derived_generator(seed, "llm-window", key)``
+    (form 1 of data randomness: a pure function of the sample key).
+    """
+
+    def __init__(self, corpus: bytes, seq_len: int, seed: int, num_samples: int = 0) -> None:
+        self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+        self.seed = seed
+        self.stride = seq_len + 1
+        available = (len(self.tokens) - 2 * self.stride) // self.stride
+        if available < 1:
+            raise ValueError(f"the text has {len(self.tokens)} bytes, too few for seq_len {seq_len}")
+        self.num_samples = min(num_samples, available) if num_samples > 0 else available
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, key: int) -> dict[str, torch.Tensor]:
+        _, index = split_sample_key(key, self.num_samples)
+        offset = int(torch.randint(0, self.stride, (1,), generator=derived_generator(self.seed, "llm-window", key)))
+        start = index * self.stride + offset
+        window = self.tokens[start : start + self.stride]
+        return {"input": window[:-1], "labels": window[1:]}

@@ -1,0 +1,69 @@
+"""The one place that knows which accelerator exists.
+
+Everything else asks for ``device_type`` / ``device_module`` / ``device_for_rank`` and never names
+cuda, xpu or mps itself.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+
+def _resolve_device_type() -> str:
+    # TORCHTITAN_RNG_DEVICE=cpu lets a user (or a test) keep a run on the CPU on a GPU machine.
+    forced = os.environ.get("TORCHTITAN_RNG_DEVICE")
+    if forced:
+        return forced
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return "cpu"
+
+
+device_type: str = _resolve_device_type()
+# For "cpu" there is no separate device generator: the CPU generator is the device generator.
+device_module: ModuleType | None = None if device_type == "cpu" else getattr(torch, device_type)
+
+
+def device_for_rank(local_rank: int) -> torch.device:
+    """The device this process trains on; sets it as current where the accelerator has that notion."""
+    if device_module is None:
+        return torch.device("cpu")
+    count = device_module.device_count()
+    index = local_rank % count if count else 0
+    if hasattr(device_module, "set_device"):
+        device_module.set_device(index)
+    return torch.device(device_type, index)
+
+
+def distributed_backend() -> str:
+    """The collective backend for this device type (gloo on the CPU)."""
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
+
+
+def get_device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """This rank's accelerator generator state, or None on the CPU (covered by the CPU generator)."""
+    if device_module is None:
+        return None
+    return device_module.get_rng_state(device).clone()
+
+
+def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    assert device_module is not None, "no device generator on the CPU"
+    device_module.set_rng_state(state, device)
+
+
+def memory_allocated_bytes(device: torch.device) -> int:
+    """Accelerator memory in use, 0 on the CPU (reported in progress lines)."""
+    if device_module is None or not hasattr(device_module, "memory_allocated"):
+        return 0
+    return int(device_module.memory_allocated(device))
+
+
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic kernels; cuBLAS needs a fixed workspace for that (set before first use)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False

@@ -1,0 +1,86 @@
+"""Process group, data-parallel mesh and clean teardown."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rng import device as device_lib
+from torchtitan_rng.config import ConfigError, JobConfig
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: Any = None  # the data-parallel DeviceMesh when world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.world_size
+
+
+def init_distributed(config: JobConfig) -> World:
+    """Join torchrun's process group when there is one; plain ``python train.py`` runs alone."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    degree = config.parallelism.data_parallel_shard_degree
+    if degree not in (-1, world_size):
+        raise ConfigError(
+            f"config parallelism.data_parallel_shard_degree = {degree} does not match the {world_size} "
+            "processes started; use -1 (all of them) or NGPU to change the process count"
+        )
+    device = device_lib.device_for_rank(local_rank)
+    mesh = None
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        backend = device_lib.distributed_backend()
+        # gloo as well, for CPU-side collectives (async checkpoint staging, barriers) on accelerators.
+        backend_spec = backend if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
+        dist.init_process_group(backend=backend_spec, timeout=timedelta(minutes=10))
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a scalar over all ranks (the logged loss)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value.detach().clone()
+    total = value.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total / dist.get_world_size()
+
+
+def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is True on at least one (used for stop requests)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def teardown() -> None:
+    """Barrier, then destroy the group (trap 10: close dataloader iterators before calling this)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,34 @@
+"""Registers the "flux" train spec."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from torchtitan_rng.models.flux.dataset import FluxDataset
+from torchtitan_rng.models.flux.model import FluxModel, build_flux_model, flux_loss
+from torchtitan_rng.models.flux.validation import validate
+from torchtitan_rng.train_spec import TrainSpec, register_train_spec
+
+
+def apply_fsdp(model: FluxModel, mesh: DeviceMesh) -> None:
+    """Shard each transformer block, then the transformer. The frozen encoders stay whole on every rank:
+    they are small, have no gradients to reduce, and sit outside every sharded module."""
+    transformer = model.transformer
+    for block in [*transformer.double_blocks, *transformer.single_blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
+
+
+register_train_spec(
+    TrainSpec(
+        name="flux",
+        build_model=build_flux_model,
+        build_dataset=FluxDataset,
+        loss_fn=flux_loss,
+        apply_fsdp=apply_fsdp,
+        items_per_sample=lambda config: 1,
+        throughput_unit="images",
+        validate=validate,
+    )
+)

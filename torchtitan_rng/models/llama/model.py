@@ -1,0 +1,107 @@
+"""A small Llama-style decoder: RMSNorm, rotary positions, SwiGLU, causal attention, with dropout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    hidden_dim: int = 172
+    dropout: float = 0.1
+    rope_theta: float = 10000.0
+    max_seq_len: int = 512
+
+
+FLAVORS: dict[str, LlamaArgs] = {
+    "debug": LlamaArgs(),
+    "small": LlamaArgs(dim=256, n_layers=4, n_heads=8, hidden_dim=688),
+    # ~110M parameters: used by the checkpoint benchmarks that need a large model.
+    "bench": LlamaArgs(dim=768, n_layers=12, n_heads=12, hidden_dim=2048, dropout=0.0),
+}
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; rotate (even, odd) pairs by position-dependent angles.
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.out = nn.Linear(args.dim, args.dim, bias=False)
+        self.dropout = args.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out(attn.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(args.dim)
+        self.attn = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim)
+        self.ffn = FeedForward(args)
+        self.dropout = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.embed_dropout = nn.Dropout(args.dropout)
+        cos, sin = rotary_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.embed_dropout(self.embed(tokens))
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))

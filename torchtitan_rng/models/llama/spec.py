@@ -1,0 +1,57 @@
+"""The ``llama`` train spec: next-byte prediction over a text with the small Llama decoder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.data.text import ByteWindowDataset, load_corpus
+from torchtitan_rng.models.llama.model import FLAVORS, Llama
+from torchtitan_rng.train_spec import Batch, TrainSpec, register_train_spec
+
+
+def build_llama(config: JobConfig) -> Llama:
+    if config.model.flavor not in FLAVORS:
+        raise ConfigError(f"unknown llama flavor {config.model.flavor!r}; choose one of: {', '.join(FLAVORS)}")
+    args = FLAVORS[config.model.flavor]
+    if config.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"config training.seq_len = {config.training.seq_len} exceeds {args.max_seq_len}")
+    return Llama(args)
+
+
+def build_text_dataset(config: JobConfig) -> ByteWindowDataset:
+    try:
+        corpus = load_corpus(config.training.dataset_path)
+    except OSError as err:
+        raise ConfigError(f"config training.dataset_path: cannot read {config.training.dataset_path!r} ({err.strerror})") from None
+    try:
+        return ByteWindowDataset(corpus, config.training.seq_len, config.debug.seed, config.data.num_samples)
+    except ValueError as err:
+        raise ConfigError(f"config training.dataset_path: {err}") from None
+
+
+def llama_loss(model: nn.Module, batch: Batch, config: JobConfig) -> torch.Tensor:
+    logits = model(batch["input"])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+
+def shard_llama(model: nn.Module, mesh: object) -> None:
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+register_train_spec(
+    TrainSpec(
+        name="llama",
+        build_model=build_llama,
+        build_dataset=build_text_dataset,
+        loss_fn=llama_loss,
+        apply_fsdp=shard_llama,
+        items_per_sample=lambda config: config.training.seq_len,
+        throughput_unit="tokens",
+    )
+)

@@ -1,0 +1,55 @@
+"""TrainState: the step and this rank's random streams, as a DCP Stateful.
+
+Per-rank values live under rank-unique keys (``rank_{r}``): DCP keeps only one copy of a same-key
+non-DTensor value saved from every rank, so a shared key would hand every rank rank 0's RNG on load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtitan_rng.rng import capture_global_rng, restore_global_rng
+from torchtitan_rng.state_codec import decode_state, encode_state
+
+STATE_FORMAT = 1
+
+
+def rank_key(rank: int) -> str:
+    return f"rank_{rank}"
+
+
+class TrainState:
+    """``state_dict()`` captures the global streams at the moment it is called: call it (or save) at a
+    step boundary. ``load_state_dict()`` only remembers them; :meth:`restore_rng` puts them back and
+    belongs right before the first resumed step, after everything that runs once at start-up."""
+
+    def __init__(self, device: torch.device, rank: int = 0, world_size: int = 1) -> None:
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.step = 0
+        # What was loaded for this rank: {"rng", "world_size", "device_type"}, or None.
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        rank_state = {
+            "format": STATE_FORMAT,
+            "world_size": self.world_size,
+            "device_type": self.device.type,
+            "rng": capture_global_rng(self.device),
+        }
+        return {"step": torch.tensor(self.step, dtype=torch.int64), rank_key(self.rank): encode_state(rank_state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        blob = state_dict.get(rank_key(self.rank))
+        self.loaded = decode_state(blob) if blob is not None else None
+
+    def restore_rng(self, *, include_device: bool = True) -> bool:
+        """Restore the loaded streams of this rank; False when nothing was loaded."""
+        if self.loaded is None:
+            return False
+        restore_global_rng(self.loaded["rng"], self.device, include_device=include_device)
+        return True

@@ -1,0 +1,158 @@
+"""The training loop, read top to bottom: build, resume, restore the random streams last, train, save."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rng import device as device_lib
+from torchtitan_rng.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    resolve_checkpoint,
+)
+from torchtitan_rng.config import ConfigError, JobConfig, parse_args
+from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.distributed import World, init_distributed, mean_over_ranks, teardown
+from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
+from torchtitan_rng.lr_scheduler import build_lr_scheduler
+from torchtitan_rng.metrics import ProgressReporter
+from torchtitan_rng.optimizer import build_optimizer
+from torchtitan_rng.rng import seed_model_init, seed_training_streams
+from torchtitan_rng.train_spec import Batch, get_train_spec
+from torchtitan_rng.train_state import TrainState
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _log(world: World, message: str) -> None:
+    if world.rank == 0:
+        print(message, flush=True)
+
+
+def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState) -> bool:
+    """Load the checkpoint to resume from, if any; True when one was loaded."""
+    ckpt = config.checkpoint
+    if not ckpt.enable:
+        if ckpt.initial_load_path or ckpt.load_step >= 0:
+            raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
+        return False
+    path = resolve_checkpoint(checkpointer.folder, ckpt.load_step, ckpt.initial_load_path)
+    if path is None:
+        return False
+    result = checkpointer.load(path, exclude=ckpt.exclude_from_loading)
+    if result.missing:
+        _log(world, f"WARNING: checkpoint {path} holds no {', '.join(result.missing)}; those start fresh")
+    _log(world, f"resumed from {path} at step {train_state.step}")
+    return True
+
+
+def train(config: JobConfig) -> int:
+    world = init_distributed(config)
+    if config.debug.deterministic:
+        device_lib.use_deterministic_algorithms()
+    spec = get_train_spec(config)
+    dump_folder = Path(config.job.dump_folder)
+
+    # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
+    seed_model_init(config.debug.seed)
+    model = spec.build_model(config).to(world.device)
+    if world.world_size > 1:
+        spec.apply_fsdp(model, world.mesh)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, config)
+    lr_scheduler = build_lr_scheduler(optimizer, config)
+
+    dataloader = ResumableDataLoader(
+        spec.build_dataset(config),
+        batch_size=config.training.local_batch_size,
+        dp_rank=world.dp_rank,
+        dp_world=world.dp_world,
+        seed=config.debug.seed,
+        num_workers=config.data.num_workers,
+        prefetch_factor=config.data.prefetch_factor,
+        snapshot_every_n_steps=config.data.snapshot_every_n_steps,
+    )
+    train_state = TrainState(world.device, world.rank, world.world_size)
+    checkpointer = CheckpointManager(
+        dump_folder / config.checkpoint.folder,
+        {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+        },
+        interval=config.checkpoint.interval,
+        keep_latest_k=config.checkpoint.keep_latest_k,
+        rank=world.rank,
+    )
+    resumed = _resume(config, world, checkpointer, train_state)
+    last_step = config.training.steps
+    if train_state.step >= last_step:
+        _log(world, f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")
+        teardown()
+        return 0
+
+    data_iter = iter(dataloader)
+    # The global streams, last thing before the first step: after model build, the loader's iterator and
+    # everything else that runs once at start-up, so that none of it shifts them.
+    if not (resumed and config.checkpoint.restore_rng and train_state.restore_rng()):
+        seed_training_streams(config.debug.seed, world.rank)
+
+    loss_log = LossLogWriter(loss_log_path(dump_folder)) if world.rank == 0 else None
+    progress = ProgressReporter(
+        log_freq=config.metrics.log_freq,
+        last_step=last_step,
+        items_per_step=spec.items_per_sample(config) * config.training.local_batch_size * world.dp_world,
+        unit=spec.throughput_unit,
+        device=world.device,
+        enabled=world.rank == 0,
+    )
+    for step in range(train_state.step + 1, last_step + 1):
+        batch = _to_device(next(data_iter), world.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(model, batch, config)
+        loss.backward()
+        grad_norm = _clip_grad_norm(params, config.training.max_norm)
+        lr = lr_scheduler.get_last_lr()[0]
+        optimizer.step()
+        lr_scheduler.step()
+        train_state.step = step
+
+        mean_loss = float(mean_over_ranks(loss))
+        if loss_log is not None:
+            loss_log.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm})
+        progress.step_done(step, mean_loss, lr)
+        if config.checkpoint.enable and checkpointer.should_save(step, last_step):
+            checkpointer.save(step)
+
+    if loss_log is not None:
+        loss_log.close()
+    del data_iter  # shuts its workers down before the process group goes (trap 10)
+    teardown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return train(parse_args(sys.argv[1:] if argv is None else argv))
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
