@@ -8,6 +8,8 @@ NNODES=${NNODES:-1}
 CONFIG_FILE=${CONFIG_FILE:-./train_configs/llama_debug.toml}
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
+# One intra-op thread per process unless told otherwise (torchrun would pick 1 and print a banner).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 
 # Bad input fails here, in one line, before any process is started.
 "$PYTHON" -m torchtitan_rng.preflight --job.config_file "$CONFIG_FILE" "$@"

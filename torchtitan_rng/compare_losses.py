@@ -3,7 +3,8 @@
     python -m torchtitan_rng.compare_losses RUN_A RUN_B
 
 RUN_A/RUN_B are loss_log.jsonl files or the dump folders holding them. Exit 0 when both cover the same
-steps with bitwise-equal losses; 1 with the first differing step otherwise; 2 when a log cannot be read.
+steps (with --only-common-steps: on the steps both hold) with bitwise-equal losses; 1 with the first
+differing step otherwise; 2 when a log cannot be read.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ class Comparison:
     first_step: int | None = None
 
 
-def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> Comparison:
+def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
+                    only_common_steps: bool = False) -> Comparison:
+    if only_common_steps:
+        common = set(a) & set(b)
+        if not common:
+            return Comparison(False, "the logs have no step in common")
+        a = {step: a[step] for step in common}
+        b = {step: b[step] for step in common}
     steps_a, steps_b = sorted(a), sorted(b)
     for step in sorted(set(a) & set(b)):
         loss_a, loss_b = float(a[step]["loss"]), float(b[step]["loss"])
@@ -59,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchtitan_rng.compare_losses", description=__doc__.split("\n")[1])
     parser.add_argument("run_a", type=Path, help="loss_log.jsonl or the dump folder of run A")
     parser.add_argument("run_b", type=Path, help="loss_log.jsonl or the dump folder of run B")
+    parser.add_argument("--only-common-steps", action="store_true",
+                        help="compare the steps both logs hold (e.g. a run resumed from an older checkpoint)")
     args = parser.parse_args(argv)
     try:
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
     except LossLogError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = compare_records(records_a, records_b)
+    result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
     return 0 if result.equal else 1
 
