@@ -19,12 +19,17 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def train(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
-          env: dict[str, str] | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero."""
+def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "llama_debug",
+          env: dict[str, str] | None = None, check: bool = True, timeout: float = 600,
+          via_run_train: bool = False) -> subprocess.CompletedProcess:
+    """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero.
+
+    ``config``: a name in train_configs/ or the Path of a TOML file. One process runs ``train.py``
+    directly unless ``via_run_train``; several always go through run_train.sh.
+    """
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
-    config_file = str(REPO / "train_configs" / f"{config}.toml")
-    if nproc == 1:
+    config_file = str(config) if isinstance(config, Path) else str(REPO / "train_configs" / f"{config}.toml")
+    if nproc == 1 and not via_run_train:
         cmd = [sys.executable, str(REPO / "train.py"), "--job.config_file", config_file, *args]
     else:
         cmd = ["bash", str(REPO / "run_train.sh"), *args]
@@ -45,8 +50,10 @@ def compare(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc: int = 1,
-                    config: str = "llama_debug", interval: int = 5) -> None:
+                    config: str | Path = "llama_debug", interval: int = 5, env: dict[str, str] | None = None,
+                    via_run_train: bool = False) -> None:
     """Run B of the promise: stop at ``stop_at`` (lr horizon pinned to ``total``), then resume to ``total``."""
     common = ["--checkpoint.enable", "--checkpoint.interval", str(interval), "--lr_scheduler.total_steps", str(total), *overrides]
-    train(dump, "--training.steps", str(stop_at), *common, nproc=nproc, config=config)
-    train(dump, "--training.steps", str(total), *common, nproc=nproc, config=config)
+    run_as = {"nproc": nproc, "config": config, "env": env, "via_run_train": via_run_train}
+    train(dump, "--training.steps", str(stop_at), *common, **run_as)
+    train(dump, "--training.steps", str(total), *common, **run_as)

@@ -143,6 +143,8 @@ class Signals:
 
 @dataclass
 class JobConfig:
+    """The whole configuration of a run, one dataclass per TOML section (``config.training.steps``)."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)

@@ -56,6 +56,13 @@ def init_distributed(config: JobConfig) -> World:
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
 
 
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size of the initialised process group; (0, 1) without one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

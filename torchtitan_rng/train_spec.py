@@ -7,6 +7,7 @@ A spec bundles the model, its dataset, its loss and how to shard it. The built-i
 from __future__ import annotations
 
 import importlib
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +23,8 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class TrainSpec:
+    """What ``model.name = NAME`` trains: model, dataset, loss and sharding, registered under ``name``."""
+
     name: str
     # Called with the shared model-init seed set: must give identical weights on every rank.
     build_model: Callable[[JobConfig], nn.Module]
@@ -43,7 +46,38 @@ _specs: dict[str, TrainSpec] = {}
 
 
 def register_train_spec(spec: TrainSpec) -> None:
+    """Make ``spec`` available as ``model.name = spec.name`` (a later spec of the same name replaces it)."""
     _specs[spec.name] = spec
+
+
+def _registered_names() -> str:
+    return ", ".join(sorted(_specs)) or "none"
+
+
+def _import_custom_module(name: str) -> None:
+    """Import ``job.custom_module``; any failure is a user error reported in one line."""
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name and (name == err.name or name.startswith(err.name + ".")):
+            raise ConfigError(
+                f"job.custom_module {name!r} not found: no module {err.name!r} on the Python path (put the "
+                f"folder that holds it on PYTHONPATH); registered model names: {_registered_names()}"
+            ) from None
+        raise ConfigError(f"job.custom_module {name!r} failed to import: {_one_line(err)}") from None
+    except Exception as err:  # whatever the user's module raises
+        raise ConfigError(f"job.custom_module {name!r} failed to import: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: first line of the message (file:line where it was raised)``."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    # The innermost frame in a real file (importlib's own frames are "<frozen ...>"); a SyntaxError's
+    # message already names its file and line.
+    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
+    if not frames or isinstance(err, SyntaxError):
+        return f"{type(err).__name__}: {message}"
+    return f"{type(err).__name__}: {message} ({Path(frames[-1].filename).name}:{frames[-1].lineno})"
 
 
 def get_train_spec(config: JobConfig) -> TrainSpec:
@@ -51,16 +85,11 @@ def get_train_spec(config: JobConfig) -> TrainSpec:
     import torchtitan_rng.models  # noqa: F401  (registers the built-in specs)
 
     if config.job.custom_module:
-        try:
-            importlib.import_module(config.job.custom_module)
-        except Exception as err:  # any import failure is a user error here, reported in one line
-            raise ConfigError(
-                f"job.custom_module {config.job.custom_module!r} failed to import: "
-                f"{type(err).__name__}: {err}"
-            ) from None
+        _import_custom_module(config.job.custom_module)
     if config.model.name not in _specs:
+        hint = (f"job.custom_module {config.job.custom_module!r} did not register it" if config.job.custom_module
+                else "a custom model needs job.custom_module to register it")
         raise ConfigError(
-            f"unknown model.name {config.model.name!r}; registered: {', '.join(sorted(_specs))}"
-            " (a custom model needs job.custom_module to register it)"
+            f"unknown model.name {config.model.name!r}; registered: {_registered_names()} ({hint})"
         )
     return _specs[config.model.name]

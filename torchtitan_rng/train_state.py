@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
 from torchtitan_rng.state_codec import decode_state, encode_state
 
@@ -23,12 +24,16 @@ def rank_key(rank: int) -> str:
 class TrainState:
     """``state_dict()`` captures the global streams at the moment it is called: call it (or save) at a
     step boundary. ``load_state_dict()`` only remembers them; :meth:`restore_rng` puts them back and
-    belongs right before the first resumed step, after everything that runs once at start-up."""
+    belongs right before the first resumed step, after everything that runs once at start-up.
 
-    def __init__(self, device: torch.device, rank: int = 0, world_size: int = 1) -> None:
+    ``rank`` and ``world_size`` default to those of the initialised process group (0 and 1 without one),
+    so that no rank saves under another rank's key."""
+
+    def __init__(self, device: torch.device, rank: int | None = None, world_size: int | None = None) -> None:
+        group_rank, group_world = rank_and_world_size()
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = group_rank if rank is None else rank
+        self.world_size = group_world if world_size is None else world_size
         self.step = 0
         # What was loaded for this rank: {"rng", "world_size", "device_type"}, or None.
         self.loaded: dict[str, Any] | None = None

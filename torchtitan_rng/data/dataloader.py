@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -38,9 +38,32 @@ class ResumableDataLoader(StatefulDataLoader):
             generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
             snapshot_every_n_steps=snapshot_every_n_steps,
         )
+        # Batches handed out since construction or the last load_state_dict: a restore of the global RNG
+        # after one was fetched comes too late for that batch (resume.ExactResume refuses it).
+        self.batches_since_load = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return _CountingIterator(super().__iter__(), self)
 
     def state_dict(self) -> dict[str, Any]:
         return {dp_rank_key(self.dp_rank): encode_state(super().state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(decode_state(state_dict[dp_rank_key(self.dp_rank)]))
+        self.batches_since_load = 0
+
+
+class _CountingIterator:
+    """The loader's own iterator, counting the batches it yields into ``loader.batches_since_load``."""
+
+    def __init__(self, inner: Iterator[Any], loader: ResumableDataLoader) -> None:
+        self.inner = inner
+        self.loader = loader
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.inner)
+        self.loader.batches_since_load += 1
+        return batch

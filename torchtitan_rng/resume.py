@@ -1,0 +1,235 @@
+"""Exact resume for a training loop you wrote yourself (a plain DDP loop, a torchrun tutorial script).
+
+Three additions to an existing loop::
+
+    loader = build_dataloader(dataset, batch_size=8, seed=SEED)          # instead of DataLoader(...)
+    exact = ExactResume(folder, model=model, optimizer=opt, dataloader=loader, interval=100, seed=SEED)
+    start = exact.load()                  # newest complete checkpoint in ``folder``; 0 when there is none
+    batches = iter(loader)
+    exact.restore_rng()                   # the step boundary: after start-up, before the first batch
+    for step in range(start + 1, last_step + 1):
+        ...                               # fetch, forward, backward, optimizer step
+        exact.maybe_save(step, last_step=last_step)
+
+The pieces it bundles (TrainState, CheckpointManager, ResumableDataLoader) stay usable on their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from torchtitan_rng.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    Stateful,
+    resolve_checkpoint,
+)
+from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.rng import seed_training_streams
+from torchtitan_rng.train_state import TrainState
+
+
+class RestoreOrderError(RuntimeError):
+    """``restore_rng()`` came after randomness of the resumed step was consumed; one line says which."""
+
+
+class _PlainIndices(Dataset):
+    """Hands a dataset that knows nothing of sample keys the index ``key % len`` it expects.
+
+    ``state_dict``/``load_state_dict`` of the wrapped dataset stay visible, so StatefulDataLoader still
+    saves a Stateful dataset's state (it checks for those two methods).
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.num_samples = len(dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, key: int) -> Any:
+        return self.dataset[int(key) % self.num_samples]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (e.g. while unpickling in a worker): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
+                     shuffle: bool = True, sample_keys: bool = False, prefetch_factor: int = 2,
+                     dp_rank: int | None = None, dp_world: int | None = None) -> ResumableDataLoader:
+    """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
+    that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
+
+    Args:
+        dataset: a map-style dataset (``__len__`` and ``__getitem__``).
+        batch_size: samples per batch on this rank.
+        seed: the run's seed; the epoch permutations and the loader's generator derive from it.
+        num_workers: worker processes, as for ``DataLoader``.
+        shuffle: a new permutation every epoch (the same on every rank; each rank takes its share).
+        sample_keys: False (default): ``dataset[i]`` gets an index in ``range(len(dataset))``. True: it gets
+            the sample key ``epoch * len(dataset) + index``; split it with :func:`split_sample_key` and seed
+            per-sample randomness from the whole key (``derived_generator(seed, "augment", key)``) so that
+            it differs between epochs and is the same after a resume.
+        prefetch_factor: batches each worker prepares ahead (only with workers).
+        dp_rank, dp_world: this rank and the number of data-parallel ranks; by default the rank and world
+            size of the initialised process group (0 and 1 without one).
+
+    The loader yields forever: stop after your last step, not at the end of an epoch.
+    """
+    rank, world = rank_and_world_size()
+    return ResumableDataLoader(
+        dataset if sample_keys else _PlainIndices(dataset),
+        batch_size=batch_size,
+        dp_rank=rank if dp_rank is None else dp_rank,
+        dp_world=world if dp_world is None else dp_world,
+        seed=seed,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        shuffle=shuffle,
+    )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+class ExactResume:
+    """Checkpoints a loop's model, optimizer, dataloader position, lr schedule and random streams.
+
+    Saves go to ``folder/step-N`` with torch.distributed.checkpoint (a collective: every rank calls
+    :meth:`maybe_save` / :meth:`save`); per-rank values (this rank's RNG streams and data position) are
+    stored under rank-unique keys, so each rank gets its own back.
+
+    Args:
+        folder: where the ``step-N`` checkpoints go (shared by all ranks).
+        model: the model (plain, ``DistributedDataParallel`` or FSDP2-sharded).
+        optimizer: its optimizer, if any.
+        dataloader: a loader from :func:`build_dataloader` (a plain DataLoader cannot resume its position).
+        lr_scheduler: any object with ``state_dict``/``load_state_dict``, e.g. a torch lr scheduler.
+        extra: more Stateful objects by name; per-rank state in them needs rank-unique keys.
+        interval: :meth:`maybe_save` saves every ``interval`` steps and at the last step.
+        keep_latest_k: keep only the newest k checkpoints (0: all).
+        seed: on a run that starts fresh, :meth:`restore_rng` seeds this rank's global streams from
+            ``(seed, rank)``; None leaves them as they are.
+        device: the device whose generator is captured along with the CPU ones; default: the model's.
+    """
+
+    def __init__(self, folder: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 dataloader: ResumableDataLoader | None = None, lr_scheduler: Stateful | None = None,
+                 extra: Mapping[str, Stateful] | None = None, interval: int, keep_latest_k: int = 0,
+                 seed: int | None = None, device: torch.device | None = None) -> None:
+        if interval < 1:
+            raise ValueError(f"interval = {interval}: it must be >= 1")
+        if dataloader is not None and not isinstance(dataloader, ResumableDataLoader):
+            raise TypeError(
+                f"dataloader is a {type(dataloader).__name__}; build it with torchtitan_rng.build_dataloader "
+                "so that its position and generator are saved per rank"
+            )
+        self.rank, world_size = rank_and_world_size()
+        self.seed = seed
+        self.dataloader = dataloader
+        self.train_state = TrainState(device or _model_device(model), self.rank, world_size)
+        parts: dict[str, Stateful] = {"model": ModelState(model)}
+        if optimizer is not None:
+            parts["optimizer"] = OptimizerState(model, optimizer)
+        if lr_scheduler is not None:
+            parts["lr_scheduler"] = lr_scheduler
+        if dataloader is not None:
+            parts["dataloader"] = dataloader
+        parts["train_state"] = self.train_state
+        for name, part in (extra or {}).items():
+            if name in parts:
+                raise ValueError(f"extra part {name!r} clashes with a built-in part; built-in: {', '.join(parts)}")
+            parts[name] = part
+        self.manager = CheckpointManager(Path(folder), parts, interval=interval, keep_latest_k=keep_latest_k,
+                                         rank=self.rank)
+        self.loaded_from: Path | None = None
+        self._step_at_load = 0
+
+    @property
+    def step(self) -> int:
+        """The last finished step: the loaded one after :meth:`load`, then what :meth:`maybe_save` was given."""
+        return self.train_state.step
+
+    def load(self, *, load_step: int = -1, initial_load_path: str | Path = "",
+             exclude: Sequence[str] = ()) -> int:
+        """Load the newest complete checkpoint in ``folder`` (or ``load_step``; or, when ``folder`` has
+        none, one from ``initial_load_path``) and return its step; 0 when there is nothing to load.
+
+        The random streams are only remembered here; :meth:`restore_rng` puts them back. Raises
+        :class:`CheckpointError` when the checkpoint lacks a part this run needs (e.g. it was saved by
+        another number of processes); ``exclude`` names parts to leave as they are instead.
+        """
+        path = resolve_checkpoint(self.manager.folder, load_step, str(initial_load_path))
+        if path is None:
+            return 0
+        result = self.manager.load(path, exclude=list(exclude))
+        if result.missing:
+            raise CheckpointError(
+                f"checkpoint {path} holds no {', '.join(result.missing)} for this run (saved by another "
+                "number of processes or without that part); pass exclude=[...] to start those parts fresh"
+            )
+        self.loaded_from = path
+        self._step_at_load = self.train_state.step
+        return self.train_state.step
+
+    def restore_rng(self) -> bool:
+        """Put this rank's global random streams back as they were when the checkpoint was taken.
+
+        Call it once, at the step boundary: after building the model, ``load()``, ``iter(dataloader)`` and
+        anything else that runs once at start-up, and before the first batch of the first step is fetched.
+        On a fresh run it seeds the streams from ``(seed, rank)`` instead (when a seed was given), so a
+        fresh run does not depend on what start-up consumed either. Returns True when streams were restored.
+
+        Raises :class:`RestoreOrderError` when the dataloader has already handed out a batch, or a step
+        was already recorded, since the checkpoint was loaded (or the loader built): the randomness of
+        that step came from the wrong streams. Randomness drawn outside the dataloader and before the
+        first step cannot be detected here.
+        """
+        self._check_nothing_consumed()
+        if self.train_state.restore_rng():
+            return True
+        if self.seed is not None:
+            seed_training_streams(self.seed, self.rank)
+        return False
+
+    def _check_nothing_consumed(self) -> None:
+        fetched = self.dataloader.batches_since_load if self.dataloader is not None else 0
+        if fetched:
+            raise RestoreOrderError(
+                f"restore_rng() was called after the dataloader yielded {fetched} batch(es) of this run; "
+                "call it after iter(dataloader) and before the first batch is fetched"
+            )
+        if self.train_state.step != self._step_at_load:
+            raise RestoreOrderError(
+                f"restore_rng() was called after step {self.train_state.step} ran; call it once, before the "
+                "first step"
+            )
+
+    def maybe_save(self, step: int, *, last_step: int) -> Path | None:
+        """Record that ``step`` finished; save when it is a multiple of ``interval`` or ``last_step``.
+
+        Call it on every rank at the end of every step (saving is a collective). Returns the checkpoint
+        folder when one was written.
+        """
+        self.train_state.step = step
+        if self.manager.should_save(step, last_step):
+            return self.manager.save(step)
+        return None
+
+    def save(self, step: int) -> Path:
+        """Save now, as the checkpoint of finished step ``step`` (e.g. on a stop signal); a collective."""
+        self.train_state.step = step
+        return self.manager.save(step)
