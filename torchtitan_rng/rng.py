@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -107,6 +108,16 @@ def restore_global_rng(state: dict[str, Any], device: torch.device, *, include_d
     for name, gen_state in state["registered"].items():
         if name in _registered:
             _registered[name].set_state(gen_state)
+
+
+@contextmanager
+def preserved_global_rng(device: torch.device) -> Iterator[None]:
+    """Run a block (validation, sampling, logging) without moving any training stream (DESIGN trap 6)."""
+    saved = capture_global_rng(device)
+    try:
+        yield
+    finally:
+        restore_global_rng(saved, device)
 
 
 def fingerprint(value: Any) -> str:

@@ -24,7 +24,7 @@ from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
-from torchtitan_rng.rng import seed_model_init, seed_training_streams
+from torchtitan_rng.rng import preserved_global_rng, seed_model_init, seed_training_streams
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.train_state import TrainState
 
@@ -136,10 +136,15 @@ def train(config: JobConfig) -> int:
         lr_scheduler.step()
         train_state.step = step
 
-        mean_loss = float(mean_over_ranks(loss))
+        record: dict[str, Any] = {
+            "step": step, "loss": float(mean_over_ranks(loss)), "lr": lr, "grad_norm": grad_norm,
+        }
+        if spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
+            with preserved_global_rng(world.device):
+                record.update(spec.validate(model, config, step, dump_folder, world.device))
         if loss_log is not None:
-            loss_log.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm})
-        progress.step_done(step, mean_loss, lr)
+            loss_log.write(record)
+        progress.step_done(step, record["loss"], lr)
         if config.checkpoint.enable and checkpointer.should_save(step, last_step):
             checkpointer.save(step)
 
