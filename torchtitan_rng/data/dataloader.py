@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -11,6 +12,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.rng import derive_seed
 from torchtitan_rng.state_codec import decode_state, encode_state
+
+
+# torchdata 0.11 calls a deprecated torch API at every loader construction; the warning is not ours to fix.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def dp_rank_key(dp_rank: int) -> str:
