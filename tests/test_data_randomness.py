@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +58,7 @@ class GlobalNoiseDataset(Dataset):
 
 
 class SampleNoiseDataset(SampleRandomDataset):
-    """Form 1: the same noise from the sample's own generator."""
+    """Form 1: the same kind of noise from the sample's own generators (torch and NumPy)."""
 
     def __init__(self) -> None:
         super().__init__(SEED, "noise")
@@ -68,7 +69,8 @@ class SampleNoiseDataset(SampleRandomDataset):
     def __getitem__(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, index = self.epoch_and_index(key)
         data, label = BASE[index]
-        return data + torch.rand(data.shape, generator=self.sample_generator(key)) * 0.001, label
+        noise = torch.rand(data.shape, generator=self.sample_generator(key)) * 0.001
+        return data + noise + self.sample_numpy_generator(key).random() * 0.001, label
 
 
 class SimpleModel(nn.Module):
@@ -190,24 +192,27 @@ CONFIGS = [
     pytest.param("flux_debug", marks=pytest.mark.skipif(
         not (REPO / "train_configs/flux_debug.toml").exists(), reason="flux trainer not merged yet")),
 ]
-# 64 samples in batches of 8: epoch boundaries after steps 8 and 16 of 20.
-EPOCHS = ("--data.num_samples", "64", "--training.local_batch_size", "8")
-STEPS = 20
-BOUNDARY_STOP, MID_EPOCH_STOP = 8, 13
+# 32 samples in batches of 8: epoch boundaries after steps 4 and 8 of 12. Validation (Flux) is another
+# issue's concern and the slowest part of a debug run.
+COMMON = ("--data.num_samples", "32", "--training.local_batch_size", "8", "--validation.enable", "false")
+STEPS = 12
+BOUNDARY_STOP, MID_EPOCH_STOP = 4, 7
 FORM2 = ("--job.custom_module", "global_rng_spec", "--model.name", "llama_global_mask")
 FORM2_ENV = {"PYTHONPATH": str(REPO / "tests")}
-CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "5", "--lr_scheduler.total_steps", str(STEPS))
+CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "5", "--lr_scheduler.total_steps", str(STEPS),
+                "--training.steps", str(STEPS))
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Uninterrupted 20-step runs, one per (config, num_workers), shared by the tests that need them."""
+    """Uninterrupted runs, one per (config, num_workers), shared by the tests that need them."""
     runs: dict[tuple[str, int], Path] = {}
 
     def get(config: str, num_workers: int) -> Path:
         if (config, num_workers) not in runs:
             dump = tmp_path_factory.mktemp(f"{config}_A_w{num_workers}")
-            train(dump, *EPOCHS, "--data.num_workers", str(num_workers), config=config)
+            train(dump, *COMMON, "--training.steps", str(STEPS), "--data.num_workers", str(num_workers),
+                  config=config)
             runs[config, num_workers] = dump
         return runs[config, num_workers]
 
@@ -216,14 +221,14 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, in
 
 @pytest.fixture(scope="module")
 def resumed_twice(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Runs stopped exactly at an epoch boundary (8), resumed and stopped mid-epoch (13), resumed to 20."""
+    """Runs stopped exactly at an epoch boundary, resumed and stopped mid-epoch, resumed to the end."""
     runs: dict[tuple[str, int], Path] = {}
 
     def get(config: str, num_workers: int) -> Path:
         if (config, num_workers) not in runs:
             dump = tmp_path_factory.mktemp(f"{config}_B_w{num_workers}")
             for stop in (BOUNDARY_STOP, MID_EPOCH_STOP, STEPS):
-                train(dump, *EPOCHS, *CHECKPOINTED, "--data.num_workers", str(num_workers),
+                train(dump, *COMMON, *CHECKPOINTED, "--data.num_workers", str(num_workers),
                       "--training.steps", str(stop), config=config)
             runs[config, num_workers] = dump
         return runs[config, num_workers]
@@ -239,7 +244,7 @@ def test_trainer_resumes_across_epochs(config: str, num_workers: int, uninterrup
     result = compare(uninterrupted(config, num_workers), resumed)
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
-    assert {"step-8", "step-13", "step-20"} <= {p.name for p in (resumed / "checkpoint").iterdir()}
+    assert {f"step-{BOUNDARY_STOP}", f"step-{MID_EPOCH_STOP}"} <= {p.name for p in (resumed / "checkpoint").iterdir()}
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -248,33 +253,34 @@ def test_trainer_data_does_not_depend_on_workers(config: str, uninterrupted: Cal
     assert result.returncode == 0, result.stdout
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_trainer_resumes_with_another_worker_count(config: str, tmp_path: Path,
-                                                   uninterrupted: Callable[[str, int], Path],
+def test_trainer_resumes_with_another_worker_count(tmp_path: Path, uninterrupted: Callable[[str, int], Path],
                                                    resumed_twice: Callable[[str, int], Path]) -> None:
-    """Form 1: a checkpoint saved with no workers resumes exactly with two."""
-    shutil.copytree(resumed_twice(config, 0) / "checkpoint" / "step-8", tmp_path / "checkpoint" / "step-8")
-    train(tmp_path, *EPOCHS, *CHECKPOINTED, "--data.num_workers", "2", config=config)
-    result = compare(uninterrupted(config, 0), tmp_path, "--only-common-steps")
+    """Form 1: a checkpoint saved with no workers resumes exactly with two (Flux's data being form 1 is
+    shown by the test above; the mechanism is the trainer's, the same for every spec)."""
+    name = f"step-{BOUNDARY_STOP}"
+    shutil.copytree(resumed_twice("llama_debug", 0) / "checkpoint" / name, tmp_path / "checkpoint" / name)
+    train(tmp_path, *COMMON, *CHECKPOINTED, "--data.num_workers", "2")
+    result = compare(uninterrupted("llama_debug", 0), tmp_path, "--only-common-steps")
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(tmp_path)) == list(range(BOUNDARY_STOP + 1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
 def form2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A form-2 dataset (global RNGs in __getitem__) with 2 workers: uninterrupted, and stopped at 10 with
-    snapshots every 3 steps (the checkpoint falls between two) and resumed."""
+    """A form-2 dataset (global RNGs in __getitem__) with 2 workers: uninterrupted, and stopped mid-epoch
+    with snapshots every 3 steps (the checkpoint falls between two) and resumed."""
     run_a, run_b = tmp_path_factory.mktemp("form2_A"), tmp_path_factory.mktemp("form2_B")
-    train(run_a, *EPOCHS, *FORM2, "--data.num_workers", "2", env=FORM2_ENV)
-    for stop in (10, STEPS):
-        train(run_b, *EPOCHS, *FORM2, *CHECKPOINTED, "--data.num_workers", "2", "--data.snapshot_every_n_steps", "3",
+    train(run_a, *COMMON, *FORM2, "--training.steps", str(STEPS), "--data.num_workers", "2", env=FORM2_ENV)
+    for stop in (MID_EPOCH_STOP, STEPS):
+        train(run_b, *COMMON, *FORM2, *CHECKPOINTED, "--data.num_workers", "2", "--data.snapshot_every_n_steps", "3",
               "--training.steps", str(stop), env=FORM2_ENV)
     return run_a, run_b
 
 
-def _resume_form2_copy(run_b: Path, dump: Path, *overrides: str, check: bool = True):
-    shutil.copytree(run_b / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
-    return train(dump, *EPOCHS, *FORM2, *CHECKPOINTED, *overrides, env=FORM2_ENV, check=check)
+def _resume_form2_copy(run_b: Path, dump: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    name = f"step-{MID_EPOCH_STOP}"
+    shutil.copytree(run_b / "checkpoint" / name, dump / "checkpoint" / name)
+    return train(dump, *COMMON, *FORM2, *CHECKPOINTED, *overrides, env=FORM2_ENV, check=check)
 
 
 def test_trainer_form2_resumes_exactly(form2_runs: tuple[Path, Path]) -> None:
@@ -287,7 +293,7 @@ def test_trainer_form2_control_without_capture_differs(form2_runs: tuple[Path, P
     _resume_form2_copy(run_b, tmp_path, "--data.num_workers", "2", "--data.capture_worker_rng", "false")
     result = compare(run_a, tmp_path, "--only-common-steps")
     assert result.returncode == 1
-    assert result.stdout.startswith("first differing step 11:"), result.stdout
+    assert result.stdout.startswith(f"first differing step {MID_EPOCH_STOP + 1}:"), result.stdout
 
 
 def test_trainer_form2_refuses_another_worker_count(form2_runs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -296,11 +302,11 @@ def test_trainer_form2_refuses_another_worker_count(form2_runs: tuple[Path, Path
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the checkpoint's dataloader ran 2 workers"), proc.stderr
     assert not (tmp_path / "loss_log.jsonl").exists()
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [f"step-{MID_EPOCH_STOP}"]
 
 
 def test_trainer_form2_warn_continues(form2_runs: tuple[Path, Path], tmp_path: Path) -> None:
     proc = _resume_form2_copy(form2_runs[1], tmp_path, "--data.num_workers", "0",
                               "--data.on_num_workers_change", "warn")
     assert "WARNING: the checkpoint's dataloader ran 2 workers and this run has 0" in proc.stderr
-    assert sorted(read_loss_log(tmp_path)) == list(range(11, STEPS + 1))
+    assert sorted(read_loss_log(tmp_path)) == list(range(MID_EPOCH_STOP + 1, STEPS + 1))
