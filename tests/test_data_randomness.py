@@ -187,11 +187,7 @@ def test_global_randomness_with_warn_continues(tmp_path: Path, capsys: pytest.Ca
 # Part 2: the trainers
 # ----------------------------------------------------------------------------------------------------
 
-CONFIGS = [
-    "llama_debug",
-    pytest.param("flux_debug", marks=pytest.mark.skipif(
-        not (REPO / "train_configs/flux_debug.toml").exists(), reason="flux trainer not merged yet")),
-]
+CONFIGS = ["llama_debug", "flux_debug"]
 # 32 samples in batches of 8: epoch boundaries after steps 4 and 8 of 12. Validation (Flux) is another
 # issue's concern and the slowest part of a debug run.
 COMMON = ("--data.num_samples", "32", "--training.local_batch_size", "8", "--validation.enable", "false")
