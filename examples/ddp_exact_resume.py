@@ -18,17 +18,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset
 
 import torchtitan_rng
 
 SEED = 0
 
 
-class JitteredBlobs(Dataset):
-    """Two classes of points; each sample gets fresh Gaussian jitter, drawn from a per-sample stream."""
+class JitteredBlobs(torchtitan_rng.SampleRandomDataset):
+    """Two classes of points; each sample gets fresh Gaussian jitter, drawn from its own stream."""
 
     def __init__(self, num_samples: int = 96) -> None:
+        super().__init__(SEED, "jitter")
         points = torch.randn(num_samples, 16, generator=torch.Generator().manual_seed(1234))
         self.points, self.labels = points, (points.sum(dim=1) > 0).long()
 
@@ -36,10 +36,10 @@ class JitteredBlobs(Dataset):
         return len(self.points)
 
     def __getitem__(self, key: int):
-        # build_dataloader(..., sample_keys=True) passes epoch * len + index: the jitter of a sample
-        # differs between epochs and is the same after a resume, whatever process draws it.
-        _, index = torchtitan_rng.split_sample_key(key, len(self))
-        jitter = torch.randn(16, generator=torchtitan_rng.derived_generator(SEED, "jitter", key))
+        # The loader passes a sample key (epoch * len + index): the jitter of a sample differs between
+        # epochs and is the same after a resume, whichever worker draws it.
+        _, index = self.epoch_and_index(key)
+        jitter = torch.randn(16, generator=self.sample_generator(key))
         return self.points[index] + 0.3 * jitter, self.labels[index]
 
 
@@ -55,8 +55,7 @@ def main() -> None:
     torch.manual_seed(SEED)  # the same initial weights on every rank
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = torchtitan_rng.build_dataloader(JitteredBlobs(), batch_size=8, seed=SEED, num_workers=1,
-                                             sample_keys=True)
+    loader = torchtitan_rng.build_dataloader(JitteredBlobs(), batch_size=8, seed=SEED, num_workers=1)
     exact = torchtitan_rng.ExactResume(args.out / "checkpoint", model=model, optimizer=optimizer,
                                        dataloader=loader, interval=4, seed=SEED)
     start = exact.load()  # 0 on a fresh run

@@ -206,15 +206,37 @@ def test_every_public_name_resolves_is_documented_and_typed() -> None:
     assert typed == set(torchtitan_rng.__all__)
 
 
-def test_plain_index_loader_crosses_epochs() -> None:
-    """A dataset that knows nothing of sample keys gets indices in range(len) in every epoch."""
-    dataset = TensorDataset(torch.arange(10))
-    loader = torchtitan_rng.build_dataloader(dataset, batch_size=5, seed=0)
-    batches = iter(loader)
+class KeyEcho(torchtitan_rng.SampleRandomDataset):
+    def __init__(self) -> None:
+        super().__init__(0, "echo")
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, key: int) -> int:
+        return key
+
+
+def test_loader_hands_indices_or_sample_keys() -> None:
+    """A plain dataset gets indices in range(len) in every epoch; a SampleRandomDataset gets sample keys."""
+    batches = iter(torchtitan_rng.build_dataloader(TensorDataset(torch.arange(10)), batch_size=5, seed=0))
     epochs = [torch.cat([next(batches)[0], next(batches)[0]]) for _ in range(3)]
     for seen in epochs:
         assert torch.equal(seen.sort().values, torch.arange(10))
     assert not torch.equal(epochs[0], epochs[1])  # a new permutation each epoch
+    keys = iter(torchtitan_rng.build_dataloader(KeyEcho(), batch_size=5, seed=0))
+    second_epoch = torch.cat([next(keys) for _ in range(4)][2:])
+    assert torch.equal(second_epoch.sort().values, torch.arange(10, 20))
+
+
+class GlobalNoise(torch.utils.data.Dataset):
+    """A user's dataset that draws from the global torch RNG in __getitem__ (here: in a worker)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return index + torch.rand(())
 
 
 def test_restore_after_a_step_is_refused(tmp_path: Path) -> None:
@@ -231,10 +253,11 @@ def test_plain_dataloader_is_refused(tmp_path: Path) -> None:
         torchtitan_rng.ExactResume(tmp_path, model=nn.Linear(2, 2), dataloader=loader, interval=1)  # type: ignore[arg-type]
 
 
-def test_in_process_resume_restores_streams_and_position(tmp_path: Path) -> None:
-    """Save at a step boundary, disturb every stream, load into fresh objects: the next batch and draw match."""
-    def build() -> tuple[torchtitan_rng.ExactResume, object]:
-        loader = torchtitan_rng.build_dataloader(TensorDataset(torch.arange(12)), batch_size=3, seed=5)
+def test_in_process_resume_restores_streams_position_and_worker_rng(tmp_path: Path) -> None:
+    """Save at a step boundary, start over in fresh objects with other streams: the next batch (position and
+    the worker's global-RNG noise) and the next main-process draw are the uninterrupted ones."""
+    def build() -> tuple[torchtitan_rng.ExactResume, torchtitan_rng.ResumableDataLoader]:
+        loader = torchtitan_rng.build_dataloader(GlobalNoise(), batch_size=3, seed=5, num_workers=1)
         return torchtitan_rng.ExactResume(tmp_path, model=nn.Linear(2, 2), dataloader=loader, interval=2, seed=5), loader
 
     exact, loader = build()
@@ -242,12 +265,13 @@ def test_in_process_resume_restores_streams_and_position(tmp_path: Path) -> None
     batches = iter(loader)
     next(batches), next(batches)
     exact.maybe_save(2, last_step=4)
-    expected_batch, expected_draw = next(batches)[0], torch.rand(4)
+    expected_batch, expected_draw = next(batches), torch.rand(4)
+    del batches
 
     torch.manual_seed(123)  # another process's streams
     exact, loader = build()
     assert exact.load() == 2
     batches = iter(loader)
     assert exact.restore_rng() is True
-    assert torch.equal(next(batches)[0], expected_batch)
+    assert torch.equal(next(batches), expected_batch)
     assert torch.equal(torch.rand(4), expected_draw)

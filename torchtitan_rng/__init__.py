@@ -5,7 +5,8 @@ no side effects: each name imports its module (and torch) the first time it is u
 
 Exact resume in your own loop: :class:`ExactResume`, :func:`build_dataloader`, :class:`RestoreOrderError`.
 The pieces they bundle: :class:`TrainState`, :class:`CheckpointManager` and friends,
-:class:`ResumableDataLoader`, the derived-stream helpers of ``rng``. Your own model and dataset in
+:class:`ResumableDataLoader`, per-sample generators (:class:`SampleRandomDataset`), the stream helpers of
+``rng``. Your own model and dataset in
 ``run_train.sh``: :class:`TrainSpec` and :func:`register_train_spec`, imported via ``job.custom_module``.
 """
 
@@ -33,6 +34,10 @@ _EXPORTS: dict[str, str] = {
     # Data.
     "ResumableDataLoader": "torchtitan_rng.data.dataloader",
     "split_sample_key": "torchtitan_rng.data.sampler",
+    "SampleRandomDataset": "torchtitan_rng.data.sample_rng",
+    "sample_generator": "torchtitan_rng.data.sample_rng",
+    "sample_numpy_generator": "torchtitan_rng.data.sample_rng",
+    "WorkerRNGDataset": "torchtitan_rng.data.worker_rng",
     # Random streams.
     "derive_seed": "torchtitan_rng.rng",
     "derived_generator": "torchtitan_rng.rng",
@@ -40,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "register_generator": "torchtitan_rng.rng",
     "capture_global_rng": "torchtitan_rng.rng",
     "restore_global_rng": "torchtitan_rng.rng",
+    "preserved_global_rng": "torchtitan_rng.rng",
     "seed_training_streams": "torchtitan_rng.rng",
     # Plug-in models and datasets for run_train.sh.
     "TrainSpec": "torchtitan_rng.train_spec",
@@ -76,13 +82,16 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check 
     )
     from torchtitan_rng.config import ConfigError, JobConfig
     from torchtitan_rng.data.dataloader import ResumableDataLoader
+    from torchtitan_rng.data.sample_rng import SampleRandomDataset, sample_generator, sample_numpy_generator
     from torchtitan_rng.data.sampler import split_sample_key
+    from torchtitan_rng.data.worker_rng import WorkerRNGDataset
     from torchtitan_rng.resume import ExactResume, RestoreOrderError, build_dataloader
     from torchtitan_rng.rng import (
         capture_global_rng,
         derive_seed,
         derived_generator,
         derived_numpy_generator,
+        preserved_global_rng,
         register_generator,
         restore_global_rng,
         seed_training_streams,

@@ -32,6 +32,8 @@ from torchtitan_rng.checkpoint import (
     resolve_checkpoint,
 )
 from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.sample_rng import SampleRandomDataset
+from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import seed_training_streams
 from torchtitan_rng.train_state import TrainState
@@ -65,7 +67,8 @@ class _PlainIndices(Dataset):
 
 
 def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
-                     shuffle: bool = True, sample_keys: bool = False, prefetch_factor: int = 2,
+                     shuffle: bool = True, sample_keys: bool | None = None, prefetch_factor: int = 2,
+                     capture_worker_rng: bool = True, on_num_workers_change: str = "error",
                      dp_rank: int | None = None, dp_world: int | None = None) -> ResumableDataLoader:
     """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
     that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
@@ -76,19 +79,25 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         seed: the run's seed; the epoch permutations and the loader's generator derive from it.
         num_workers: worker processes, as for ``DataLoader``.
         shuffle: a new permutation every epoch (the same on every rank; each rank takes its share).
-        sample_keys: False (default): ``dataset[i]`` gets an index in ``range(len(dataset))``. True: it gets
-            the sample key ``epoch * len(dataset) + index``; split it with :func:`split_sample_key` and seed
-            per-sample randomness from the whole key (``derived_generator(seed, "augment", key)``) so that
-            it differs between epochs and is the same after a resume.
+        sample_keys: True: ``dataset[key]`` gets the sample key ``epoch * len(dataset) + index``, as a
+            :class:`SampleRandomDataset` needs (per-sample randomness seeded from the whole key differs
+            between epochs and is the same after a resume). False: it gets an index in ``range(len)``, as
+            from a DataLoader. Default: True for a SampleRandomDataset, else False.
         prefetch_factor: batches each worker prepares ahead (only with workers).
+        capture_worker_rng: a dataset that may draw from the global RNGs (anything but a
+            SampleRandomDataset) gets each worker's streams saved and restored with the loader's state.
+        on_num_workers_change: "error" (a ConfigError on loading such a dataset's checkpoint with another
+            ``num_workers``) or "warn" (continue inexactly).
         dp_rank, dp_world: this rank and the number of data-parallel ranks; by default the rank and world
             size of the initialised process group (0 and 1 without one).
 
     The loader yields forever: stop after your last step, not at the end of an epoch.
     """
+    if sample_keys is None:
+        sample_keys = isinstance(dataset, SampleRandomDataset)
     rank, world = rank_and_world_size()
     return ResumableDataLoader(
-        dataset if sample_keys else _PlainIndices(dataset),
+        with_worker_rng(dataset if sample_keys else _PlainIndices(dataset), capture_worker_rng),
         batch_size=batch_size,
         dp_rank=rank if dp_rank is None else dp_rank,
         dp_world=world if dp_world is None else dp_world,
@@ -96,6 +105,7 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         num_workers=num_workers,
         prefetch_factor=prefetch_factor,
         shuffle=shuffle,
+        on_num_workers_change=on_num_workers_change,
     )
 
 

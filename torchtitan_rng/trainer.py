@@ -19,12 +19,13 @@ from torchtitan_rng.checkpoint import (
 )
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, init_distributed, mean_over_ranks, teardown
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
-from torchtitan_rng.rng import seed_model_init, seed_training_streams
+from torchtitan_rng.rng import preserved_global_rng, seed_model_init, seed_training_streams
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.train_state import TrainState
 
@@ -80,7 +81,8 @@ def train(config: JobConfig) -> int:
     lr_scheduler = build_lr_scheduler(optimizer, config)
 
     dataloader = ResumableDataLoader(
-        spec.build_dataset(config),
+        # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
+        with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
         batch_size=config.training.local_batch_size,
         dp_rank=world.dp_rank,
         dp_world=world.dp_world,
@@ -88,6 +90,7 @@ def train(config: JobConfig) -> int:
         num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor,
         snapshot_every_n_steps=config.data.snapshot_every_n_steps,
+        on_num_workers_change=config.data.on_num_workers_change,
     )
     train_state = TrainState(world.device, world.rank, world.world_size)
     checkpointer = CheckpointManager(
@@ -136,10 +139,15 @@ def train(config: JobConfig) -> int:
         lr_scheduler.step()
         train_state.step = step
 
-        mean_loss = float(mean_over_ranks(loss))
+        record: dict[str, Any] = {
+            "step": step, "loss": float(mean_over_ranks(loss)), "lr": lr, "grad_norm": grad_norm,
+        }
+        if spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
+            with preserved_global_rng(world.device):
+                record.update(spec.validate(model, config, step, dump_folder, world.device))
         if loss_log is not None:
-            loss_log.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm})
-        progress.step_done(step, mean_loss, lr)
+            loss_log.write(record)
+        progress.step_done(step, record["loss"], lr)
         if config.checkpoint.enable and checkpointer.should_save(step, last_step):
             checkpointer.save(step)
 

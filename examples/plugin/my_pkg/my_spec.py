@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 
-from torchtitan_rng import ConfigError, JobConfig, TrainSpec, derived_generator, register_train_spec, split_sample_key
+from torchtitan_rng import ConfigError, JobConfig, SampleRandomDataset, TrainSpec, register_train_spec
 
 WIDTHS = {"small": 32, "wide": 128}  # model.flavor -> hidden width
 
@@ -38,23 +38,24 @@ class SineMLP(nn.Module):
         return self.layers[-1](x)
 
 
-class NoisySine(Dataset):
+class NoisySine(SampleRandomDataset):
     """Points of sin(x) on [-pi, pi], with random jitter on x and noise on y, drawn per sample.
 
-    The trainer hands ``__getitem__`` a sample key (epoch * len + index): the randomness comes from a
-    stream derived from the whole key, so it differs between epochs and is the same after a resume.
+    The trainer hands ``__getitem__`` a sample key (epoch * len + index): the randomness comes from the
+    sample's own stream, so it differs between epochs and is the same after a resume, with any number of
+    workers (being a SampleRandomDataset, it may even resume with another ``data.num_workers``).
     """
 
     def __init__(self, num_samples: int, seed: int) -> None:
+        super().__init__(seed, "noisy-sine")
         self.num_samples = num_samples
-        self.seed = seed
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, key: int) -> dict[str, torch.Tensor]:
-        _, index = split_sample_key(key, self.num_samples)
-        noise = torch.randn(2, generator=derived_generator(self.seed, "noisy-sine", key))
+        _, index = self.epoch_and_index(key)
+        noise = torch.randn(2, generator=self.sample_generator(key))
         x = -math.pi + 2 * math.pi * (index + 0.5) / self.num_samples + 0.05 * noise[0]
         return {"x": x.reshape(1), "y": (torch.sin(x) + 0.1 * noise[1]).reshape(1)}
 
