@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchtitan_rng.launcher import run_training
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -14,7 +16,6 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHON"] = sys.executable
     env.update(extra or {})
     return env
 
@@ -23,17 +24,10 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debu
           env: dict[str, str] | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
     """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero."""
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
-    config_file = str(REPO / "train_configs" / f"{config}.toml")
-    if nproc == 1:
-        cmd = [sys.executable, str(REPO / "train.py"), "--job.config_file", config_file, *args]
-    else:
-        cmd = ["bash", str(REPO / "run_train.sh"), *args]
-    proc = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=run_env({"NGPU": str(nproc), "CONFIG_FILE": config_file, **(env or {})}),
-    )
+    config_file = REPO / "train_configs" / f"{config}.toml"
+    proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 

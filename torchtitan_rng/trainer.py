@@ -25,6 +25,7 @@ from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.rng import seed_model_init, seed_training_streams
+from torchtitan_rng.stream_probe import StreamProbe
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.train_state import TrainState
 
@@ -89,6 +90,8 @@ def train(config: JobConfig) -> int:
         prefetch_factor=config.data.prefetch_factor,
         snapshot_every_n_steps=config.data.snapshot_every_n_steps,
     )
+    probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
+                        dataloader=dataloader)
     train_state = TrainState(world.device, world.rank, world.world_size)
     checkpointer = CheckpointManager(
         dump_folder / config.checkpoint.folder,
@@ -102,6 +105,7 @@ def train(config: JobConfig) -> int:
         interval=config.checkpoint.interval,
         keep_latest_k=config.checkpoint.keep_latest_k,
         rank=world.rank,
+        async_mode=config.checkpoint.async_mode,
     )
     resumed = _resume(config, world, checkpointer, train_state)
     last_step = config.training.steps
@@ -126,6 +130,7 @@ def train(config: JobConfig) -> int:
         enabled=world.rank == 0,
     )
     for step in range(train_state.step + 1, last_step + 1):
+        fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
         batch = _to_device(next(data_iter), world.device)
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model, batch, config)
@@ -138,11 +143,13 @@ def train(config: JobConfig) -> int:
 
         mean_loss = float(mean_over_ranks(loss))
         if loss_log is not None:
-            loss_log.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm})
+            loss_log.write({"step": step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, **fingerprints})
         progress.step_done(step, mean_loss, lr)
         if config.checkpoint.enable and checkpointer.should_save(step, last_step):
-            checkpointer.save(step)
+            checkpointer.save(step, blocking=step == last_step)
+        checkpointer.poll()
 
+    checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
     if loss_log is not None:
         loss_log.close()
     del data_iter  # shuts its workers down before the process group goes (trap 10)
