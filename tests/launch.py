@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchtitan_rng.launcher import run_training
+from torchtitan_rng.training_runs import run_training
 
 REPO = Path(__file__).resolve().parents[1]
 

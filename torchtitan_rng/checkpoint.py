@@ -229,7 +229,7 @@ class CheckpointManager:
         self._pending = None
         try:
             future.result()
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:  # DCP's wrapper is a BaseException
             first_line = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"the background save of step {step} failed: {first_line}") from None
         # DCP's coordinator (rank 0) writes .metadata after every rank's write: its future done means all are.

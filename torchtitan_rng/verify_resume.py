@@ -20,7 +20,7 @@ from pathlib import Path
 from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
 from torchtitan_rng.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.launcher import LauncherError, run_training
+from torchtitan_rng.training_runs import EntryScriptMissing, run_training
 from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log
 
 USAGE = ("usage: python -m torchtitan_rng.verify_resume --config F --steps N --stop-at K [--nproc P] "
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="verify_resume_") as scratch:
             work = request.keep if request.keep is not None else Path(scratch)
             passed, report = verify(request, work)
-    except (ConfigError, LauncherError, LossLogError) as err:
+    except (ConfigError, EntryScriptMissing, LossLogError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunFailed as err:

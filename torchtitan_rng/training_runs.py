@@ -12,14 +12,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-class LauncherError(RuntimeError):
+class EntryScriptMissing(RuntimeError):
     """The entry scripts are missing (an installed package without its source tree)."""
 
 
 def training_command(config_file: Path, args: list[str], nproc: int = 1) -> list[str]:
     script = REPO / ("train.py" if nproc == 1 else "run_train.sh")
     if not script.is_file():
-        raise LauncherError(f"{script} not found: run this from a source checkout of torchtitan_rng")
+        raise EntryScriptMissing(f"{script} not found: run this from a source checkout of torchtitan_rng")
     if nproc == 1:
         return [sys.executable, str(script), "--job.config_file", str(config_file), *args]
     return ["bash", str(script), *args]
