@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -183,6 +184,7 @@ class CheckpointManager:
         self.async_mode = async_mode
         self._pending: tuple[int, Future] | None = None  # the background save: (step, its future)
         self._background_group: Any = None
+        self._stager: DefaultStager | None = None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
@@ -199,7 +201,8 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         barrier()
         if self.async_mode == "async" and not blocking:
-            future = dcp.async_save(dict(self.parts), checkpoint_id=str(partial), process_group=self._group())
+            future = dcp.async_save(dict(self.parts), checkpoint_id=str(partial), process_group=self._group(),
+                                    async_stager=self._staging())
             self._pending = (step, future)
             return final
         dcp.save(dict(self.parts), checkpoint_id=str(partial))
@@ -215,6 +218,14 @@ class CheckpointManager:
         if self._background_group is None and dist.is_initialized():
             self._background_group = dist.new_group(backend="gloo")
         return self._background_group
+
+    def _staging(self) -> DefaultStager:
+        """One stager for the whole run: it keeps its CPU copy of the state between saves, so a save after
+        the first only copies into memory it already has (the previous write is finished by then)."""
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def poll(self) -> None:
         """Finish the background save if its write is done; never blocks (call it once a step)."""
