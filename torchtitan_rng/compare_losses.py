@@ -38,6 +38,8 @@ class Comparison:
     equal: bool
     message: str
     first_step: int | None = None
+    # True when first_step is a step both logs hold with different losses (not a step only one holds).
+    loss_differs: bool = False
 
 
 def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
@@ -56,6 +58,7 @@ def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
                 False,
                 f"first differing step {step}: A loss {loss_a!r}, B loss {loss_b!r}, difference {loss_b - loss_a!r}",
                 step,
+                loss_differs=True,
             )
     if steps_a != steps_b:
         only_a = sorted(set(a) - set(b))
@@ -87,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
-    loss_step = result.first_step if result.first_step in records_a and result.first_step in records_b else None
-    if not result.equal and loss_step is not None:
-        print("\n".join(diagnose(records_a, records_b, loss_step)))
+    if result.loss_differs:
+        print("\n".join(diagnose(records_a, records_b, result.first_step)))
     elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
         print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b)))
     if args.plot is not None:
-        plot_losses(records_a, records_b, None if result.equal else loss_step, args.plot)
+        plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)
         print(f"plot written to {args.plot}")
     return 0 if result.equal else 1
 

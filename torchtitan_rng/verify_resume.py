@@ -106,12 +106,15 @@ def _common_overrides(request: Request) -> list[str]:
 
 def _run(request: Request, label: str, dump: Path, args: list[str]) -> None:
     started = time.perf_counter()
-    proc = run_training(request.config, ["--job.dump_folder", str(dump), *args], nproc=request.nproc)
+    # The dump folder last, so that no override can point a run at the user's own folder.
+    proc = run_training(request.config, [*args, "--job.dump_folder", str(dump)], nproc=request.nproc)
+    if proc.returncode == 2:  # the trainer refused the configuration: its own one-line error is the answer
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        raise RunFailed(errors[-1][len("error: "):] if errors else f"run {label} exited with code 2", 2)
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip().splitlines()
         tail = "\n".join("    " + line for line in output[-15:])
-        # Exit 2 from the trainer is a refused configuration: report it as bad input.
-        raise RunFailed(f"run {label} exited with code {proc.returncode}:\n{tail}", 2 if proc.returncode == 2 else 1)
+        raise RunFailed(f"run {label} exited with code {proc.returncode}:\n{tail}", 1)
     print(f"  run {label}: done in {time.perf_counter() - started:.1f}s", flush=True)
 
 
@@ -133,12 +136,12 @@ def verify(request: Request, work: Path) -> tuple[bool, list[str]]:
                        f"{request.steps} steps (does the config exclude train_state from loading?)"]
     result = compare_records(a, b)
     if not result.equal:
-        loss_step = result.first_step if result.first_step in a and result.first_step in b else None
-        return False, [result.message, *(diagnose(a, b, loss_step) if loss_step is not None else [])]
+        return False, [result.message, *(diagnose(a, b, result.first_step) if result.loss_differs else [])]
     # Equal losses but a differing stream: a config that used that stream would not resume exactly.
     divergence = first_stream_divergence(a, b)
     if divergence is not None:
-        return False, ["the losses are equal, but", *describe(divergence, a, b)]
+        lines = describe(divergence, a, b)
+        return False, ["the losses are equal, but " + lines[0], *lines[1:]]
     return True, [result.message + ", and every random stream equal on every rank at every step"]
 
 
@@ -152,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunFailed as err:
-        print(f"FAIL: {err}" if err.exit_code == 1 else f"error: {err}", file=sys.stderr)
+        if err.exit_code == 2:
+            print(f"error: {err}", file=sys.stderr)
+        else:
+            print(f"FAIL: {err}")
         return err.exit_code
     print(("PASS: " if passed else "FAIL: ") + report[0])
     for line in report[1:]:
