@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchtitan_rng.training_runs import run_training
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -14,7 +16,6 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
-    env["PYTHON"] = sys.executable
     env.update(extra or {})
     return env
 
@@ -28,17 +29,11 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
     directly unless ``via_run_train``; several always go through run_train.sh.
     """
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
-    config_file = str(config) if isinstance(config, Path) else str(REPO / "train_configs" / f"{config}.toml")
-    if nproc == 1 and not via_run_train:
-        cmd = [sys.executable, str(REPO / "train.py"), "--job.config_file", config_file, *args]
-    else:
-        cmd = ["bash", str(REPO / "run_train.sh"), *args]
-    proc = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=run_env({"NGPU": str(nproc), "CONFIG_FILE": config_file, **(env or {})}),
-    )
+    config_file = config if isinstance(config, Path) else REPO / "train_configs" / f"{config}.toml"
+    proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout,
+                        via_run_train=via_run_train)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 

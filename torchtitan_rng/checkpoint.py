@@ -3,6 +3,11 @@
 A save writes ``step-N.partial`` and rank 0 renames it to ``step-N`` once every rank has finished, so a
 folder named ``step-N`` with DCP's ``.metadata`` is complete by construction: a crash mid-save leaves
 only a ``.partial`` folder, which is never picked.
+
+With ``checkpoint.async_mode = "async"`` a save stages a copy of every part at the step boundary (the RNG,
+dataloader and train state of that boundary), returns, and DCP writes the copy in a background thread;
+the rename to ``step-N`` happens once the write has finished everywhere (seen at the next save, at a
+poll, or at the end of training), so the guarantee above holds unchanged.
 """
 
 from __future__ import annotations
@@ -11,16 +16,19 @@ import io
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -167,18 +175,24 @@ class CheckpointManager:
     """Saves and loads a set of named Stateful parts with DCP, under ``folder/step-N``."""
 
     def __init__(self, folder: Path, parts: dict[str, Stateful], *, interval: int, keep_latest_k: int = 0,
-                 rank: int = 0) -> None:
+                 rank: int = 0, async_mode: str = "disabled") -> None:
         self.folder = folder
         self.parts = parts
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.rank = rank
+        self.async_mode = async_mode
+        self._pending: tuple[int, Future] | None = None  # the background save: (step, its future)
+        self._background_group: Any = None
+        self._stager: DefaultStager | None = None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
 
-    def save(self, step: int) -> Path:
-        """Write every part at this step boundary (a collective: all ranks call it)."""
+    def save(self, step: int, *, blocking: bool = True) -> Path:
+        """Write every part at this step boundary (a collective: all ranks call it). With async_mode "async"
+        and ``blocking=False`` only the staging copy happens now; the write goes on in the background."""
+        self.wait()
         final = step_dir(self.folder, step)
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.rank == 0:
@@ -186,13 +200,57 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         barrier()
+        if self.async_mode == "async" and not blocking:
+            future = dcp.async_save(dict(self.parts), checkpoint_id=str(partial), process_group=self._group(),
+                                    async_stager=self._staging())
+            self._pending = (step, future)
+            return final
         dcp.save(dict(self.parts), checkpoint_id=str(partial))
         barrier()
         if self.rank == 0:
-            os.replace(partial, final)
-            self._prune()
+            self._complete(step)
         barrier()
         return final
+
+    def _group(self) -> Any:
+        """The background write's own gloo group: its collectives must not interleave with the training
+        loop's on the default group (created once, by every rank, at the first async save)."""
+        if self._background_group is None and dist.is_initialized():
+            self._background_group = dist.new_group(backend="gloo")
+        return self._background_group
+
+    def _staging(self) -> DefaultStager:
+        """One stager for the whole run: it keeps its CPU copy of the state between saves, so a save after
+        the first only copies into memory it already has (the previous write is finished by then)."""
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
+
+    def poll(self) -> None:
+        """Finish the background save if its write is done; never blocks (call it once a step)."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save, if any, is written everywhere; then rank 0 renames it."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (Exception, dcp.CheckpointException) as err:  # DCP's wrapper is a BaseException
+            first_line = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"the background save of step {step} failed: {first_line}") from None
+        # DCP's coordinator (rank 0) writes .metadata after every rank's write: its future done means all are.
+        if self.rank == 0:
+            self._complete(step)
+
+    def _complete(self, step: int) -> None:
+        final = step_dir(self.folder, step)
+        os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
+        self._prune()
 
     def _prune(self) -> None:
         if self.keep_latest_k <= 0:

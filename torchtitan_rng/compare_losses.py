@@ -5,6 +5,10 @@
 RUN_A/RUN_B are loss_log.jsonl files or the dump folders holding them. Exit 0 when both cover the same
 steps (with --only-common-steps: on the steps both hold) with bitwise-equal losses; 1 with the first
 differing step otherwise; 2 when a log cannot be read.
+
+When both runs logged with --debug.rng_fingerprint, the first differing step comes with a diagnosis: which
+random stream differed first, on which rank (see divergence.py). ``--plot out.png`` draws both curves and
+their difference (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchtitan_rng.divergence import describe, diagnose, first_stream_divergence
 from torchtitan_rng.loss_log import LossLogError, read_loss_log
+from torchtitan_rng.loss_plot import PlotUnavailable, plot_losses, pyplot
 
 
 def same_bits(a: float, b: float) -> bool:
@@ -32,6 +38,8 @@ class Comparison:
     equal: bool
     message: str
     first_step: int | None = None
+    # True when first_step is a step both logs hold with different losses (not a step only one holds).
+    loss_differs: bool = False
 
 
 def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
@@ -50,6 +58,7 @@ def compare_records(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
                 False,
                 f"first differing step {step}: A loss {loss_a!r}, B loss {loss_b!r}, difference {loss_b - loss_a!r}",
                 step,
+                loss_differs=True,
             )
     if steps_a != steps_b:
         only_a = sorted(set(a) - set(b))
@@ -69,14 +78,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_b", type=Path, help="loss_log.jsonl or the dump folder of run B")
     parser.add_argument("--only-common-steps", action="store_true",
                         help="compare the steps both logs hold (e.g. a run resumed from an older checkpoint)")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png",
+                        help="draw both loss curves and their difference, the first divergence marked")
     args = parser.parse_args(argv)
     try:
+        if args.plot is not None:
+            pyplot()  # fail on a missing matplotlib before comparing anything
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
-    except LossLogError as err:
+    except (LossLogError, PlotUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
+    if result.loss_differs:
+        print("\n".join(diagnose(records_a, records_b, result.first_step)))
+    elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
+        print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b)))
+    if args.plot is not None:
+        plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)
+        print(f"plot written to {args.plot}")
     return 0 if result.equal else 1
 
 

@@ -7,6 +7,7 @@ line naming it; the entry points turn that into exit code 2 without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,12 @@ if sys.version_info >= (3, 11):
     import tomllib as toml_reader
 else:  # pragma: no cover - Python 3.10
     import tomli as toml_reader
+
+
+# The random streams a run fingerprints (debug.rng_fingerprint), in the order diagnoses list them; a
+# generator registered with rng.register_generator is the stream "registered.NAME".
+RNG_STREAMS = ("python", "numpy", "torch_cpu", "device", "dataloader")
+_PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
 
 
 class ConfigError(ValueError):
@@ -133,6 +140,9 @@ class Debug:
     deterministic: bool = False
     # Write a fingerprint of every random stream, per rank, into each loss-log line.
     rng_fingerprint: bool = False
+    # Fault injection for testing diagnosis: "STREAM:RANK:STEP" disturbs one random stream of one rank on
+    # entering one step (STREAM: one of RNG_STREAMS or registered.NAME); empty: off.
+    perturb_rng: str = ""
 
 
 @dataclass
@@ -299,12 +309,29 @@ def validate(config: JobConfig) -> None:
             "config checkpoint.keep_latest_k = 1 cannot be used with checkpoint.async_mode = 'async' "
             "(the previous checkpoint may still be written); use keep_latest_k >= 2 or 0"
         )
+    if config.debug.perturb_rng:
+        parse_perturb_rng(config.debug.perturb_rng)
     parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
     for name in config.checkpoint.exclude_from_loading:
         if name not in parts:
             raise ConfigError(
                 f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(parts)}"
             )
+
+
+def parse_perturb_rng(value: str) -> tuple[str, int, int]:
+    """(stream, rank, step) of debug.perturb_rng = "STREAM:RANK:STEP"."""
+    match = _PERTURB_RNG.match(value)
+    stream = match.group("stream") if match else ""
+    if not match or not (stream in RNG_STREAMS or (stream.startswith("registered.") and len(stream) > 11)):
+        raise ConfigError(
+            f"config debug.perturb_rng = {value!r} is not valid; use STREAM:RANK:STEP with STREAM one of "
+            f"{', '.join(RNG_STREAMS)} or registered.NAME (e.g. torch_cpu:1:7)"
+        )
+    rank, step = int(match.group("rank")), int(match.group("step"))
+    if step < 1:
+        raise ConfigError(f"config debug.perturb_rng = {value!r}: the step must be >= 1")
+    return stream, rank, step
 
 
 def parse_args(argv: list[str]) -> JobConfig:

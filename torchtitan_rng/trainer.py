@@ -26,6 +26,7 @@ from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init, seed_training_streams
+from torchtitan_rng.stream_probe import StreamProbe
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.train_state import TrainState
 
@@ -92,6 +93,8 @@ def train(config: JobConfig) -> int:
         snapshot_every_n_steps=config.data.snapshot_every_n_steps,
         on_num_workers_change=config.data.on_num_workers_change,
     )
+    probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
+                        dataloader=dataloader)
     train_state = TrainState(world.device, world.rank, world.world_size)
     checkpointer = CheckpointManager(
         dump_folder / config.checkpoint.folder,
@@ -105,6 +108,7 @@ def train(config: JobConfig) -> int:
         interval=config.checkpoint.interval,
         keep_latest_k=config.checkpoint.keep_latest_k,
         rank=world.rank,
+        async_mode=config.checkpoint.async_mode,
     )
     resumed = _resume(config, world, checkpointer, train_state)
     last_step = config.training.steps
@@ -129,6 +133,7 @@ def train(config: JobConfig) -> int:
         enabled=world.rank == 0,
     )
     for step in range(train_state.step + 1, last_step + 1):
+        fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
         batch = _to_device(next(data_iter), world.device)
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model, batch, config)
@@ -146,11 +151,13 @@ def train(config: JobConfig) -> int:
             with preserved_global_rng(world.device):
                 record.update(spec.validate(model, config, step, dump_folder, world.device))
         if loss_log is not None:
-            loss_log.write(record)
+            loss_log.write({**record, **fingerprints})
         progress.step_done(step, record["loss"], lr)
         if config.checkpoint.enable and checkpointer.should_save(step, last_step):
-            checkpointer.save(step)
+            checkpointer.save(step, blocking=step == last_step)
+        checkpointer.poll()
 
+    checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
     if loss_log is not None:
         loss_log.close()
     del data_iter  # shuts its workers down before the process group goes (trap 10)

@@ -1,0 +1,152 @@
+"""Shared by the benchmarks: the machine they ran on, timing on the configured device, tables, and the
+parts of a training run (the trainer's own builders) to checkpoint.
+
+Run a benchmark from the repository root: ``python -m bench.NAME [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from torchtitan_rng import device as device_lib
+from torchtitan_rng.checkpoint import ModelState, OptimizerState
+from torchtitan_rng.config import JobConfig, parse_args
+from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.lr_scheduler import build_lr_scheduler
+from torchtitan_rng.optimizer import build_optimizer
+from torchtitan_rng.rng import seed_model_init, seed_training_streams
+from torchtitan_rng.train_spec import get_train_spec
+from torchtitan_rng.train_state import TrainState
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
+
+# torchdata's deprecation notice and DCP's "no process group" notice would drown the tables.
+warnings.filterwarnings("ignore")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    args = argparse.ArgumentParser(description=description)
+    args.add_argument("--quick", action="store_true", help="fewer repetitions (about 2 minutes on 2 CPU cores)")
+    return args
+
+
+def machine() -> str:
+    """One line naming the machine: CPU, cores, memory, torch, and the accelerator when there is one."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    memory = ""
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        memory = f", {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
+    accelerator = "no accelerator (CPU)"
+    module = device_lib.device_module
+    if module is not None:
+        name = module.get_device_name(0) if hasattr(module, "get_device_name") else device_lib.device_type
+        accelerator = f"{device_lib.device_type}: {name}"
+    return (f"machine: {cpu}, {os.cpu_count()} cores{memory}; {accelerator}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
+
+
+def synchronize() -> None:
+    """Wait for queued device work, so that a timing covers it (nothing to wait for on the CPU)."""
+    if device_lib.device_module is not None:
+        device_lib.device_module.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: list[float]) -> str:
+    """min..max, to show how much a number moved between repetitions."""
+    return f"{min(values):.4g}..{max(values):.4g}"
+
+
+def table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
+    """A Markdown table (pasted as is into the README), then the machine."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(headers) + " |")
+    print("| " + " | ".join("---" for _ in headers) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print(f"\n{machine()}\n", flush=True)
+
+
+def config_for(*overrides: str) -> JobConfig:
+    return parse_args(["--job.config_file", str(DEBUG_CONFIG), *overrides])
+
+
+@dataclass
+class RunParts:
+    """What a training run checkpoints, built with the trainer's own builders, after real training steps
+    (so the optimizer holds its state and the dataloader has a position)."""
+
+    config: JobConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    parts: dict[str, Any]
+
+    @property
+    def model_and_optimizer(self) -> dict[str, Any]:
+        return {name: self.parts[name] for name in ("model", "optimizer")}
+
+
+def build_run(config: JobConfig, *, rank: int = 0, world_size: int = 1, mesh: Any = None,
+              steps: int = 1) -> RunParts:
+    spec = get_train_spec(config)
+    device = device_lib.device_for_rank(rank)
+    seed_model_init(config.debug.seed)
+    model = spec.build_model(config).to(device)
+    if mesh is not None:
+        spec.apply_fsdp(model, mesh)
+    optimizer = build_optimizer(model.parameters(), config)
+    lr_scheduler = build_lr_scheduler(optimizer, config)
+    dataloader = ResumableDataLoader(spec.build_dataset(config), batch_size=config.training.local_batch_size,
+                                     dp_rank=rank, dp_world=world_size, seed=config.debug.seed,
+                                     num_workers=config.data.num_workers)
+    seed_training_streams(config.debug.seed, rank)
+    batches = iter(dataloader)
+    for _ in range(steps):
+        batch = {key: value.to(device) for key, value in next(batches).items()}
+        optimizer.zero_grad(set_to_none=True)
+        spec.loss_fn(model, batch, config).backward()
+        optimizer.step()
+        lr_scheduler.step()
+    train_state = TrainState(device, rank, world_size)
+    train_state.step = steps
+    parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": lr_scheduler,
+             "dataloader": dataloader, "train_state": train_state}
+    return RunParts(config, model, optimizer, parts)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def scratch_parent() -> str:
+    """Where benchmarks write: the repository's outputs/ (on the disk checkpoints would go to; the system
+    temp folder can be RAM-backed). TORCHTITAN_RNG_BENCH_DIR picks another place."""
+    folder = Path(os.environ.get("TORCHTITAN_RNG_BENCH_DIR", REPO / "outputs" / "bench"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)

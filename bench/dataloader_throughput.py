@@ -1,0 +1,86 @@
+"""Benchmark 5: dataloader throughput with worker RNG capture on vs. off (target: on/off >= 0.97).
+
+The dataset is the debug config's, with a random crop drawn from the global torch RNG inside
+``__getitem__`` (form 2 of data randomness: the case worker RNG capture exists for). With capture on, every
+batch a worker hands over carries its Python, NumPy and torch streams (``data.capture_worker_rng``); off, it
+does not. Rounds alternate on/off; each round reads the same number of batches through fresh workers.
+
+    python -m bench.dataloader_throughput [--quick] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from bench.common import config_for, median, parser, spread, table
+from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.train_spec import get_train_spec
+
+try:
+    from torchtitan_rng.data.worker_rng import with_worker_rng
+except ImportError:  # the worker RNG capture lives on the data-randomness branch until it is merged
+    with_worker_rng = None
+
+
+class GlobalRandomCrop(Dataset):
+    """A user's dataset that draws from the global RNG (so a worker's stream position matters)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int) -> dict[str, Any]:
+        sample = self.dataset[key]
+        cut = int(torch.randint(0, 4, (1,)))
+        return {name: value.roll(cut) for name, value in sample.items()}
+
+
+def batches_per_second(dataset: Dataset, capture: bool, workers: int, batches: int, batch_size: int) -> float:
+    loader = ResumableDataLoader(with_worker_rng(dataset, capture), batch_size=batch_size, dp_rank=0, dp_world=1,
+                                 seed=0, num_workers=workers)
+    iterator = iter(loader)
+    next(iterator)  # the workers are up
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    elapsed = time.perf_counter() - start
+    del iterator
+    return batches / elapsed
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0])
+    args.add_argument("--workers", type=int, default=2)
+    args = args.parse_args()
+    if with_worker_rng is None:
+        print("error: this tree has no worker RNG capture (torchtitan_rng.data.worker_rng); run it after the "
+              "data-randomness work is merged", file=sys.stderr)
+        sys.exit(2)
+    rounds, batches = (5, 300) if args.quick else (11, 1000)
+    config = config_for("--data.num_samples", "0")
+    dataset = GlobalRandomCrop(get_train_spec(config).build_dataset(config))
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for capture in (True, False):
+            rates[capture].append(batches_per_second(dataset, capture, args.workers, batches,
+                                                     config.training.local_batch_size))
+    ratio = median(rates[True]) / median(rates[False])
+    table(
+        f"Benchmark 5: dataloader throughput, worker RNG capture on vs off ({args.workers} workers, "
+        f"batch {config.training.local_batch_size}, {rounds} rounds x {batches} batches)",
+        ["worker RNG capture", "batches/s (median)", "min..max"],
+        [["on", f"{median(rates[True]):.0f}", spread(rates[True])],
+         ["off", f"{median(rates[False]):.0f}", spread(rates[False])],
+         ["ratio on/off", f"**{ratio:.3f}** (target >= 0.97)", ""]],
+    )
+
+
+if __name__ == "__main__":
+    main()

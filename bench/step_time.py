@@ -1,0 +1,67 @@
+"""Benchmark 1: training step time with every resume feature on vs. off, in the same process (target: the
+ratio on/off <= 1.01).
+
+On (the defaults): dataloader state snapshots at every step, worker RNG capture, the per-step stop-signal
+check. Off: snapshots every 10^9 steps, no worker RNG capture, no signals. Both: the real trainer (its
+progress lines give the time per step), dataloader workers, no checkpoint saves (benchmarks 2 and 3 time
+those). The runs alternate on/off so that drift in the machine's load hits both alike.
+
+    python -m bench.step_time [--quick] [--workers N]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import tempfile
+
+from bench.common import DEBUG_CONFIG, median, parser, spread, table
+from torchtitan_rng.trainer import main as train_main
+
+FEATURES_OFF = ["--data.snapshot_every_n_steps", "1000000000", "--data.capture_worker_rng", "false",
+                "--signals.checkpoint_on="]
+_MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
+
+
+def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> list[float]:
+    """ms per step of each progress line but the first (which holds start-up: worker launch, first batch)."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        code = train_main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", dump,
+                           "--training.steps", str(steps), "--metrics.log_freq", str(log_freq), *overrides])
+    if code != 0:
+        raise SystemExit(f"the training run exited {code}:\n{output.getvalue()}")
+    return [float(ms) for ms in _MS_PER_STEP.findall(output.getvalue())][1:]
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0])
+    args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
+    args = args.parse_args()
+    rounds, steps, log_freq = (3, 40, 10) if args.quick else (7, 200, 20)
+    common = ["--data.num_workers", str(args.workers)]
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    round_ratios = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for index in range(rounds):
+            on = step_times(common, steps, log_freq, f"{scratch}/on{index}")
+            off = step_times([*common, *FEATURES_OFF], steps, log_freq, f"{scratch}/off{index}")
+            times["on"] += on
+            times["off"] += off
+            round_ratios.append(median(on) / median(off))
+    # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
+    best = min(times["on"]) / min(times["off"])
+    typical = median(times["on"]) / median(times["off"])
+    table(
+        f"Benchmark 1: training step time, resume features on vs off (llama debug, {args.workers} workers, "
+        f"{rounds} rounds x {steps} steps, ms/step per progress line of {log_freq} steps)",
+        ["features", "fastest ms/step", "median ms/step", "min..max"],
+        [["on", f"{min(times['on']):.2f}", f"{median(times['on']):.2f}", spread(times["on"])],
+         ["off", f"{min(times['off']):.2f}", f"{median(times['off']):.2f}", spread(times["off"])],
+         ["ratio on/off", f"**{best:.3f}** (target <= 1.01)", f"{typical:.3f}", f"per round: {spread(round_ratios)}"]],
+    )
+
+
+if __name__ == "__main__":
+    main()
