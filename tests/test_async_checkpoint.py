@@ -10,13 +10,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from launch import REPO, compare, train
+from launch import compare, train
 from torchtitan_rng.checkpoint import CheckpointManager, ModelState, complete_steps
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.train_state import TrainState
 
-FLUX_MISSING = pytest.mark.skipif(not (REPO / "train_configs/flux_debug.toml").exists(),
-                                  reason="flux trainer not merged yet")
 TOTAL, STOP, INTERVAL = 12, 10, 4  # saves at 4 and 8 are async; 10 (the stop) and 12 (the end) synchronous
 
 
@@ -71,7 +69,7 @@ def test_async_save_is_the_boundary_not_the_write(tmp_path: Path) -> None:
     assert fresh_state.step == 1 and torch.equal(fresh_state.loaded["rng"]["torch_cpu"], rng_before)
 
 
-@pytest.mark.parametrize(("config", "nproc"), [("llama_debug", 2), pytest.param("flux_debug", 1, marks=FLUX_MISSING)])
+@pytest.mark.parametrize(("config", "nproc"), [("llama_debug", 2), ("flux_debug", 1)])
 def test_resume_from_async_checkpoint_is_exact(tmp_path: Path, config: str, nproc: int) -> None:
     run_a, run_b = tmp_path / "A", tmp_path / "B"
     common = ["--checkpoint.enable", "--checkpoint.interval", str(INTERVAL), "--lr_scheduler.total_steps", str(TOTAL)]

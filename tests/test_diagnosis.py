@@ -14,8 +14,6 @@ from launch import REPO, compare, run_env, train
 from torchtitan_rng.divergence import diagnose
 from torchtitan_rng.loss_log import read_loss_log
 
-FLUX_MISSING = pytest.mark.skipif(not (REPO / "train_configs/flux_debug.toml").exists(),
-                                  reason="flux trainer not merged yet")
 STEPS = 8
 
 
@@ -112,7 +110,7 @@ def _verify(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=run_env(), timeout=600)
 
 
-@pytest.mark.parametrize("config", ["llama_debug", pytest.param("flux_debug", marks=FLUX_MISSING)])
+@pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])
 def test_verify_resume_passes(config: str) -> None:
     proc = _verify("--config", f"train_configs/{config}.toml", "--steps", "8", "--stop-at", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
