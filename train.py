@@ -2,7 +2,12 @@
 
 import sys
 
-from torchtitan_rng.trainer import main
+from torchtitan_rng import preemption
+
+# Before torch is imported (seconds): a checkpoint signal forwarded during start-up must not kill a rank.
+preemption.install()
+
+from torchtitan_rng.trainer import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,18 +20,33 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def train(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
-          env: dict[str, str] | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero."""
+def _command(dump: Path, overrides: tuple[str, ...], nproc: int, config: str) -> tuple[list[str], dict[str, str]]:
+    """python train.py for one process, run_train.sh (the launcher, torchrun) for several."""
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
     config_file = str(REPO / "train_configs" / f"{config}.toml")
     if nproc == 1:
         cmd = [sys.executable, str(REPO / "train.py"), "--job.config_file", config_file, *args]
     else:
         cmd = ["bash", str(REPO / "run_train.sh"), *args]
+    return cmd, {"NGPU": str(nproc), "CONFIG_FILE": config_file}
+
+
+def start(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, via run_train.sh, the
+    torchrun parent: the script execs it). Output is captured as text."""
+    cmd, launch_env = _command(dump, overrides, nproc, config)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=run_env({**launch_env, **(env or {})}))
+
+
+def train(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
+          env: dict[str, str] | None = None, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero."""
+    cmd, launch_env = _command(dump, overrides, nproc, config)
     proc = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=run_env({"NGPU": str(nproc), "CONFIG_FILE": config_file, **(env or {})}),
+        env=run_env({**launch_env, **(env or {})}),
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -50,3 +66,16 @@ def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc
     common = ["--checkpoint.enable", "--checkpoint.interval", str(interval), "--lr_scheduler.total_steps", str(total), *overrides]
     train(dump, "--training.steps", str(stop_at), *common, nproc=nproc, config=config)
     train(dump, "--training.steps", str(total), *common, nproc=nproc, config=config)
+
+
+def wait_for_log_lines(dump: Path, lines: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until ``dump``'s loss log holds ``lines`` lines (an observed event, not a guessed delay)."""
+    log = dump / "loss_log.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (log.is_file() and log.read_text().count("\n") >= lines):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before its log had {lines} lines\n"
+                                 f"{proc.stdout.read()[-3000:]}\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {lines} lines in {log} after {timeout} s")
+        time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
