@@ -32,12 +32,13 @@ def _command(dump: Path, overrides: tuple[str, ...], nproc: int, config: str) ->
 
 
 def start(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
-          env: dict[str, str] | None = None) -> subprocess.Popen:
+          env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
     """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, via run_train.sh, the
-    torchrun parent: the script execs it). Output is captured as text."""
+    torchrun parent: the script execs it), and with ``new_session`` also its process group's id.
+    Output is captured as text."""
     cmd, launch_env = _command(dump, overrides, nproc, config)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=run_env({**launch_env, **(env or {})}))
+                            env=run_env({**launch_env, **(env or {})}), start_new_session=new_session)
 
 
 def train(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",

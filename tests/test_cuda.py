@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("config", ["llama_debug"])
+@pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])
 def test_resume_on_cuda_is_exact_and_control_differs(config: str, tmp_path: Path) -> None:
     flags = ("--debug.deterministic",)
     run_a, run_b, control = tmp_path / "A", tmp_path / "B", tmp_path / "control"

@@ -4,6 +4,7 @@ complete checkpoint and exit 0, and the resubmitted run continues the same loss 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -105,3 +106,19 @@ def test_configured_signal_only(tmp_path: Path) -> None:
                      env={FAULT_ENV: "before_step:3:0:SIGUSR1"}, check=False)
     assert unlisted.returncode == -signal.SIGUSR1
     assert _steps_saved(tmp_path / "usr1") == []
+
+
+def test_sigterm_to_every_process_with_dataloader_workers(tmp_path: Path) -> None:
+    """A cluster signals every process of the job, dataloader workers included: the workers must not die
+    of it (the rank would fail with them); the rank saves, and the resume is exact."""
+    run = ("--data.num_workers", "2", "--training.steps", "8", "--lr_scheduler.total_steps", "8", *CKPT)
+    train(tmp_path / "A", *run)
+    job = start(tmp_path / "B", *run, new_session=True)
+    wait_for_log_lines(tmp_path / "B", 3, job)
+    os.killpg(job.pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0 and "stopped by SIGTERM at step" in out, err[-3000:]
+    assert len(_steps_saved(tmp_path / "B")) == 1 and _steps_saved(tmp_path / "B")[0] < 8
+    train(tmp_path / "B", *run)
+    result = compare(tmp_path / "A", tmp_path / "B")
+    assert result.returncode == 0, result.stdout

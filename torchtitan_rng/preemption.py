@@ -63,6 +63,13 @@ def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
     _handled.update(wanted)
 
 
+def ignore_checkpoint_signals(worker_id: int = 0) -> None:
+    """In a dataloader worker (forked from a rank, with its handlers): ignore the signals the rank
+    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save."""
+    for signum in _handled:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def received() -> str | None:
     """The first checkpoint signal this process got, or None."""
     return _received[0] if _received else None

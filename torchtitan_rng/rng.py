@@ -70,8 +70,8 @@ def seed_training_streams(seed: int, rank: int) -> None:
     torch.manual_seed(rank_seed)  # also seeds every accelerator generator
 
 
-def capture_global_rng(device: torch.device) -> dict[str, Any]:
-    """This rank's global streams as tensors and plain values (nothing that needs unpickling)."""
+def capture_host_rng() -> dict[str, Any]:
+    """This process's Python, NumPy and torch CPU streams as tensors and plain values (no unpickling)."""
     py_version, py_internal, py_gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
@@ -88,14 +88,21 @@ def capture_global_rng(device: torch.device) -> dict[str, Any]:
             "cached_gaussian": float(np_gauss),
         },
         "torch_cpu": torch.get_rng_state(),
+    }
+
+
+def capture_global_rng(device: torch.device) -> dict[str, Any]:
+    """This rank's global streams: the host ones, the device generator and the registered generators."""
+    return {
+        **capture_host_rng(),
         "device_type": device.type,
         "device": device_lib.get_device_rng_state(device),
         "registered": {name: gen.get_state() for name, gen in _registered.items()},
     }
 
 
-def restore_global_rng(state: dict[str, Any], device: torch.device, *, include_device: bool = True) -> None:
-    """Put back what :func:`capture_global_rng` took. Call it last, right before the first resumed step."""
+def restore_host_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_host_rng` took."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["internal"].tolist()), py["gauss_next"]))
     npst = state["numpy"]
@@ -103,6 +110,11 @@ def restore_global_rng(state: dict[str, Any], device: torch.device, *, include_d
         (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
     )
     torch.set_rng_state(state["torch_cpu"])
+
+
+def restore_global_rng(state: dict[str, Any], device: torch.device, *, include_device: bool = True) -> None:
+    """Put back what :func:`capture_global_rng` took. Call it last, right before the first resumed step."""
+    restore_host_rng(state)
     if include_device and state["device"] is not None:
         device_lib.set_device_rng_state(state["device"], device)
     for name, gen_state in state["registered"].items():

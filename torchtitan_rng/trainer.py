@@ -24,6 +24,7 @@ from torchtitan_rng.checkpoint import (
 )
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
 from torchtitan_rng.fault_injection import fault_point
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
@@ -107,7 +108,8 @@ def train(config: JobConfig) -> int:
     lr_scheduler = build_lr_scheduler(optimizer, config)
 
     dataloader = ResumableDataLoader(
-        spec.build_dataset(config),
+        # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
+        with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
         batch_size=config.training.local_batch_size,
         dp_rank=world.dp_rank,
         dp_world=world.dp_world,
@@ -115,6 +117,7 @@ def train(config: JobConfig) -> int:
         num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor,
         snapshot_every_n_steps=config.data.snapshot_every_n_steps,
+        on_num_workers_change=config.data.on_num_workers_change,
     )
     train_state = TrainState(world.device, world.rank, world.world_size)
     checkpointer = CheckpointManager(

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.stateful_dataloader import (
+    _SAMPLER_ITER_STATE,
+    _StatefulMultiProcessingDataLoaderIter as _MultiProcessIter,
+)
 
+from torchtitan_rng.config import ConfigError
+from torchtitan_rng.preemption import ignore_checkpoint_signals
 from torchtitan_rng.data.sampler import ResumableBatchSampler
+from torchtitan_rng.data.worker_rng import uses_global_rng
 from torchtitan_rng.rng import derive_seed
 from torchtitan_rng.state_codec import decode_state, encode_state
 
@@ -22,18 +30,38 @@ def dp_rank_key(dp_rank: int) -> str:
     return f"dp_rank_{dp_rank}"
 
 
+def _sampler_after_last_batch(loader_state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """(sampler state, batches still to skip) at the last batch the saved loader yielded.
+
+    The live sampler runs ahead of training by the prefetched batches; torchdata's state holds it as it
+    was when the last yielded batch was drawn: directly with no workers, else in the last snapshot, which
+    ``snapshot_every_n_steps > 1`` leaves some batches behind.
+    """
+    if _MultiProcessIter._SNAPSHOT not in loader_state:
+        return loader_state[_SAMPLER_ITER_STATE], 0
+    main = loader_state[_MultiProcessIter._SNAPSHOT][_MultiProcessIter._MAIN_SNAPSHOT]
+    return main[_SAMPLER_ITER_STATE], int(loader_state[_MultiProcessIter._STEPS_SINCE_SNAPSHOT])
+
+
 class ResumableDataLoader(StatefulDataLoader):
     """Its state lives under ``dp_rank_{r}`` so that every data-parallel rank loads its own position.
 
     The loader owns a generator seeded from ``(seed, "dataloader", dp_rank)``: without one, a DataLoader
     draws its worker base seed from the global CPU RNG at every ``iter()``, shifting the training stream.
+
+    Resuming with another ``num_workers`` than the checkpoint's is exact when the dataset derives all its
+    randomness from sample keys (form 1): only the sampler's position is carried over. A dataset that may
+    draw from the global RNGs (form 2) is refused with :class:`ConfigError` unless
+    ``on_num_workers_change="warn"``, which continues with fresh worker streams.
     """
 
     def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                  num_workers: int = 0, prefetch_factor: int = 2, snapshot_every_n_steps: int = 1,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, on_num_workers_change: str = "error") -> None:
         self.dp_rank = dp_rank
         self.num_workers_configured = num_workers
+        self.on_num_workers_change = on_num_workers_change
+        self.uses_global_rng = uses_global_rng(dataset)
         sampler = ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed, shuffle=shuffle)
         super().__init__(
             dataset,
@@ -42,10 +70,39 @@ class ResumableDataLoader(StatefulDataLoader):
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
             snapshot_every_n_steps=snapshot_every_n_steps,
+            # A cluster signals every process of a job; the rank decides when to stop, not its workers.
+            worker_init_fn=ignore_checkpoint_signals,
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {dp_rank_key(self.dp_rank): encode_state(super().state_dict())}
+        state = {"num_workers": self.num_workers_configured, "loader": super().state_dict()}
+        return {dp_rank_key(self.dp_rank): encode_state(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(decode_state(state_dict[dp_rank_key(self.dp_rank)]))
+        state = decode_state(state_dict[dp_rank_key(self.dp_rank)])
+        saved_workers = int(state["num_workers"])
+        if saved_workers == self.num_workers_configured:
+            super().load_state_dict(state["loader"])
+            return
+        if self.uses_global_rng:
+            reason = (
+                f"the checkpoint's dataloader ran {saved_workers} workers and this run has "
+                f"{self.num_workers_configured}: the dataset may draw from global RNGs in __getitem__, whose "
+                "streams depend on the worker count, so the resume cannot be exact"
+            )
+            if self.on_num_workers_change == "error":
+                raise ConfigError(
+                    f"{reason}; resume with --data.num_workers {saved_workers}, derive the dataset's randomness "
+                    "from sample keys (README: making your dataset resume exactly), or pass "
+                    "--data.on_num_workers_change warn to continue inexactly"
+                )
+            if self.dp_rank == 0:
+                print(f"WARNING: {reason}; continuing inexactly (data.on_num_workers_change = warn)",
+                      file=sys.stderr, flush=True)
+        # Another worker count: torchdata's state cannot be loaded, but the sampler position is all a
+        # form-1 dataset needs (its samples are pure functions of their keys).
+        sampler_state, batches_to_skip = _sampler_after_last_batch(state["loader"])
+        self.batch_sampler.load_state_dict(sampler_state)
+        for _ in range(batches_to_skip):
+            next(self.batch_sampler)
+        super().load_state_dict({})

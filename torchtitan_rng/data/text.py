@@ -11,10 +11,8 @@ import inspect
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
 
-from torchtitan_rng.data.sampler import split_sample_key
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.data.sample_rng import SampleRandomDataset
 
 _STDLIB_MODULES = ("textwrap", "heapq", "bisect", "fractions", "random", "string", "difflib")
 
@@ -31,17 +29,17 @@ def load_corpus(dataset_path: str) -> bytes:
     return Path(dataset_path).read_bytes()
 
 
-class ByteWindowDataset(Dataset):
+class ByteWindowDataset(SampleRandomDataset):
     """Sample ``index`` is a window of ``seq_len + 1`` bytes starting near ``index * stride``.
 
-    The exact start is shifted by a random offset drawn from ``derived_generator(seed, "llm-window", key)``
-    (form 1 of data randomness: a pure function of the sample key).
+    The exact start is shifted by a random offset drawn from the sample's own generator (purpose
+    ``"llm-window"``; form 1 of data randomness: a pure function of the sample key).
     """
 
     def __init__(self, corpus: bytes, seq_len: int, seed: int, num_samples: int = 0) -> None:
+        super().__init__(seed, "llm-window")
         self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
         self.seq_len = seq_len
-        self.seed = seed
         self.stride = seq_len + 1
         available = (len(self.tokens) - 2 * self.stride) // self.stride
         if available < 1:
@@ -52,8 +50,8 @@ class ByteWindowDataset(Dataset):
         return self.num_samples
 
     def __getitem__(self, key: int) -> dict[str, torch.Tensor]:
-        _, index = split_sample_key(key, self.num_samples)
-        offset = int(torch.randint(0, self.stride, (1,), generator=derived_generator(self.seed, "llm-window", key)))
+        _, index = self.epoch_and_index(key)
+        offset = int(torch.randint(0, self.stride, (1,), generator=self.sample_generator(key)))
         start = index * self.stride + offset
         window = self.tokens[start : start + self.stride]
         return {"input": window[:-1], "labels": window[1:]}

@@ -1,3 +1,3 @@
 """Built-in train specs; importing this package registers them."""
 
-from torchtitan_rng.models import llama  # noqa: F401
+from torchtitan_rng.models import flux, llama  # noqa: F401

@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 from torchtitan_rng.config import JobConfig
+from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.models.flux.autoencoder import FROZEN_SEED
 from torchtitan_rng.models.flux.text_encoders import tokenize
 from torchtitan_rng.rng import derived_generator
@@ -97,9 +97,9 @@ def caption(scene: Scene, template: int) -> str:
     return TEMPLATES[template].format(colour=scene.colour, shape=scene.shape, position=scene.position)
 
 
-class FluxDataset(Dataset):
+class FluxDataset(SampleRandomDataset):
     def __init__(self, config: JobConfig) -> None:
-        self.seed = config.debug.seed
+        super().__init__(config.debug.seed, "flux-augment")
         self.image_size = config.training.image_size
         self.num_samples = config.data.num_samples or DEFAULT_NUM_SAMPLES
         self.pad = max(1, self.image_size // 8)
@@ -110,7 +110,7 @@ class FluxDataset(Dataset):
     def example(self, key: int) -> tuple[torch.Tensor, str]:
         """The augmented (image, caption) of sample ``key``: pad, random crop, random flip, random template."""
         scene = scene_for_index(key % self.num_samples)
-        g = derived_generator(self.seed, "flux-augment", key)
+        g = self.sample_generator(key)
         top, left = torch.randint(0, 2 * self.pad + 1, (2,), generator=g).tolist()
         flip = bool(torch.rand(1, generator=g) < 0.5)
         template = int(torch.randint(len(TEMPLATES), (1,), generator=g))

@@ -27,9 +27,8 @@ class FluxModel(nn.Module):
     def __init__(self, transformer_args: MMDiTArgs) -> None:
         super().__init__()
         self.autoencoder = Autoencoder()
+        # Both create their parameters with requires_grad=False: the optimizer sees only the transformer.
         self.text_encoders = TextEncoders(transformer_args.txt_dim, transformer_args.pooled_dim)
-        for param in [*self.autoencoder.parameters(), *self.text_encoders.parameters()]:
-            param.requires_grad_(False)
         self.transformer = MMDiT(transformer_args)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, txt: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -43,9 +42,8 @@ def build_flux_model(config: JobConfig) -> FluxModel:
     if flavor not in FLAVORS:
         raise ConfigError(f"model.flavor {flavor!r} is not a flux flavor; choose one of: {', '.join(FLAVORS)}")
     if config.training.image_size % (DOWNSCALE * PATCH_SIZE):
-        raise ConfigError(
-            f"training.image_size = {config.training.image_size} must be a multiple of {DOWNSCALE * PATCH_SIZE} for flux"
-        )
+        size, multiple = config.training.image_size, DOWNSCALE * PATCH_SIZE
+        raise ConfigError(f"training.image_size = {size} must be a multiple of {multiple} for model.name 'flux'")
     args = MMDiTArgs(
         in_channels=LATENT_CHANNELS, patch_size=PATCH_SIZE, txt_dim=TEXT_DIM, pooled_dim=POOLED_DIM, **FLAVORS[flavor]
     )

@@ -34,10 +34,8 @@ def tokenize(caption: str, length: int = CAPTION_LENGTH) -> torch.Tensor:
 
 
 def _frozen_normal(generator: torch.Generator, *shape: int) -> nn.Parameter:
-    # Scaled like a default init so activations keep unit size through the layer.
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    tensor = torch.randn(*shape, generator=generator) / math.sqrt(fan_in)
-    return nn.Parameter(tensor, requires_grad=False)
+    # A [out, in] weight scaled by 1/sqrt(in), so activations keep unit size through the layer.
+    return nn.Parameter(torch.randn(*shape, generator=generator) / math.sqrt(shape[-1]), requires_grad=False)
 
 
 class T5Encoder(nn.Module):

@@ -51,7 +51,9 @@ def _grid(rows: list[torch.Tensor]) -> np.ndarray:
     return ((grid.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
 
-def validate(model: FluxModel, config: JobConfig, step: int, dump_folder: Path, device: torch.device) -> dict[str, float]:
+def validate(
+    model: FluxModel, config: JobConfig, step: int, dump_folder: Path, device: torch.device
+) -> dict[str, float]:
     dataset = FluxDataset(config)
     examples = [dataset.clean_example(FIRST_INDEX + i) for i in range(NUM_SAMPLES)]
     images = torch.stack([image for image, _ in examples]).to(device)
