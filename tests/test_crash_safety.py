@@ -65,7 +65,8 @@ def test_kill_leaves_only_complete_checkpoints(killed_and_resumed: dict, index: 
     if resumed_from is None:
         assert "resumed from" not in run.stdout
     else:
-        assert f"resumed from {killed_and_resumed['dump'] / 'checkpoint' / f'step-{resumed_from}'} at step" in run.stdout
+        picked = killed_and_resumed["dump"] / "checkpoint" / f"step-{resumed_from}"
+        assert f"resumed from {picked} at step" in run.stdout
     assert folders == sorted([*(f"step-{s}" for s in complete), *others])
     assert picked_as_complete == complete
 

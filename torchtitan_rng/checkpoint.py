@@ -191,7 +191,8 @@ def damaged_steps(folder: Path) -> list[int]:
 
 def _refuse_damaged(folder: Path, complete: list[int], load_step: int) -> None:
     """Refuse a ``step-N`` without ``.metadata`` that would be picked: asked for, or newer than all others."""
-    picked = [s for s in damaged_steps(folder) if (s == load_step if load_step >= 0 else s > max(complete, default=-1))]
+    newest = max(complete, default=-1)
+    picked = [s for s in damaged_steps(folder) if (s == load_step if load_step >= 0 else s > newest)]
     if picked:
         raise CheckpointError(
             f"checkpoint folder {step_dir(folder, picked[-1])} is incomplete (no .metadata: empty, or a copy cut "
@@ -322,7 +323,8 @@ class CheckpointManager:
             if isinstance(cause, CheckpointError):
                 raise cause from None
             first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {first_line[:300]}") from None
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {first_line[:300]}; resume with the "
+                                  "model and config it was saved with, or use another dump folder") from None
         for name, part_state in state.items():
             self.parts[name].load_state_dict(part_state)
         return result

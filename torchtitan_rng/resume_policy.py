@@ -115,4 +115,5 @@ def reposition_sampler(sampler: ResumableBatchSampler, step: int, saved_world: i
     per_rank_before = sampler.num_samples // saved_world
     epoch, position = divmod(step * sampler.batch_size, per_rank_before)
     per_rank_now = sampler.num_samples // sampler.dp_world
-    sampler.load_state_dict({"epoch": epoch, "position": min(per_rank_now, math.ceil(position * saved_world / sampler.dp_world))})
+    position_now = min(per_rank_now, math.ceil(position * saved_world / sampler.dp_world))
+    sampler.load_state_dict({"epoch": epoch, "position": position_now})
