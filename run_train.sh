@@ -11,14 +11,13 @@ PYTHON=${PYTHON:-python}
 # One intra-op thread per process unless told otherwise (torchrun would pick 1 and print a banner).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
 
-# Bad input fails here, in one line, before any process is started.
-"$PYTHON" -m torchtitan_rng.preflight --job.config_file "$CONFIG_FILE" "$@"
-
 if [ "$NNODES" -gt 1 ]; then
   rdzv=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
         --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT to host:port of node 0}")
 else
   rdzv=(--standalone --nnodes 1)
 fi
-exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NGPU" --local-ranks-filter 0 \
+# torchrun, run by the launcher: bad input fails there in one line before any rank starts; it holds the
+# dump folder's lock; a checkpoint signal (SIGTERM, SIGUSR1) makes every rank save and the job exit 0.
+exec "$PYTHON" -m torchtitan_rng.launcher "${rdzv[@]}" --nproc-per-node "$NGPU" --local-ranks-filter 0 \
   --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"

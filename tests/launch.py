@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from torchtitan_rng.training_runs import run_training
+from torchtitan_rng.training_runs import run_training, training_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,6 +19,19 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONWARNINGS"] = "ignore"
     env.update(extra or {})
     return env
+
+
+def start(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
+          env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
+    """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, via run_train.sh, the
+    torchrun parent: the script execs it), and with ``new_session`` also its process group's id.
+    Output is captured as text."""
+    args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
+    config_file = REPO / "train_configs" / f"{config}.toml"
+    launch_env = {"PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config_file)}
+    return subprocess.Popen(training_command(config_file, args, nproc), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=run_env({**launch_env, **(env or {})}),
+                            start_new_session=new_session)
 
 
 def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "llama_debug",
@@ -52,3 +66,17 @@ def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc
     run_as = {"nproc": nproc, "config": config, "env": env, "via_run_train": via_run_train}
     train(dump, "--training.steps", str(stop_at), *common, **run_as)
     train(dump, "--training.steps", str(total), *common, **run_as)
+
+
+
+def wait_for_log_lines(dump: Path, lines: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until ``dump``'s loss log holds ``lines`` lines (an observed event, not a guessed delay)."""
+    log = dump / "loss_log.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (log.is_file() and log.read_text().count("\n") >= lines):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before its log had {lines} lines\n"
+                                 f"{proc.stdout.read()[-3000:]}\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {lines} lines in {log} after {timeout} s")
+        time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay

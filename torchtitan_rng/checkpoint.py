@@ -2,7 +2,12 @@
 
 A save writes ``step-N.partial`` and rank 0 renames it to ``step-N`` once every rank has finished, so a
 folder named ``step-N`` with DCP's ``.metadata`` is complete by construction: a crash mid-save leaves
-only a ``.partial`` folder, which is never picked.
+only a ``.partial`` folder, which is never picked. Pruning renames ``step-N`` to ``step-N.deleting``
+before deleting it, so a crash mid-prune never leaves a half-deleted ``step-N`` either. A ``step-N``
+without ``.metadata`` is therefore not ours (a copy cut short, a damaged disk) and is reported, not skipped.
+
+Loading never unpickles code: ``.metadata`` goes through an unpickler that knows only DCP's metadata
+classes, and non-tensor items through ``torch.load(weights_only=True)``.
 
 With ``checkpoint.async_mode = "async"`` a save stages a copy of every part at the step boundary (the RNG,
 dataloader and train state of that boundary), returns, and DCP writes the copy in a background thread;
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import shutil
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -38,12 +46,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_rng.distributed import barrier
+from torchtitan_rng.fault_injection import fault_point, save_planner
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Per-rank entries (TrainState's rank_{r}, the dataloader's dp_rank_{r}): a checkpoint saved with another
 # world size may have none for this rank, which the caller decides about; any other missing key is an error.
 _PER_RANK_KEY = re.compile(r"^(dp_)?rank_\d+$")
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
 
 
 class CheckpointError(RuntimeError):
@@ -75,6 +85,67 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; DCP reads it with plain ``pickle.load``. This accepts only the
+    classes a DCP metadata file is made of."""
+
+    _METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module in ("torch", self._METADATA_MODULE):
+            found = getattr(torch if module == "torch" else sys.modules[module], name, None)
+            if isinstance(found, torch.dtype) or (module == self._METADATA_MODULE and isinstance(found, type)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with a ``.metadata`` unpickler that cannot run code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(os.path.join(self.path, ".metadata"), "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def verify_checkpoint(path: Path) -> Metadata:
+    """The metadata of a complete, undamaged checkpoint: every shard file there and long enough."""
+    try:
+        metadata = SafeFileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); pick another with --checkpoint.load_step"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; pick another "
+                                  "with --checkpoint.load_step")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is truncated "
+                                  f"({shard.stat().st_size} bytes, {size} expected); pick another with "
+                                  "--checkpoint.load_step")
+    return metadata
+
+
+def _first_failure(err: CheckpointException) -> BaseException:
+    """The original exception inside DCP's wrapper (one per failed rank)."""
+    return next(iter(err.failures.values()))[0]
 
 
 class ModelState:
@@ -118,6 +189,25 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
+def damaged_steps(folder: Path) -> list[int]:
+    """Steps of ``step-N`` folders without DCP's ``.metadata`` (never left by this code, see above)."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for entry in folder.iterdir()
+                  if (m := _STEP_DIR.match(entry.name)) and not (entry / ".metadata").is_file())
+
+
+def _refuse_damaged(folder: Path, complete: list[int], load_step: int) -> None:
+    """Refuse a ``step-N`` without ``.metadata`` that would be picked: asked for, or newer than all others."""
+    newest = max(complete, default=-1)
+    picked = [s for s in damaged_steps(folder) if (s == load_step if load_step >= 0 else s > newest)]
+    if picked:
+        raise CheckpointError(
+            f"checkpoint folder {step_dir(folder, picked[-1])} is incomplete (no .metadata: empty, or a copy cut "
+            "short); move it away, or pick another checkpoint with --checkpoint.load_step"
+        )
+
+
 def step_dir(folder: Path, step: int) -> Path:
     return folder / f"step-{step}"
 
@@ -129,6 +219,7 @@ def _describe(steps: list[int]) -> str:
 def resolve_checkpoint(own_folder: Path, load_step: int, initial_load_path: str) -> Path | None:
     """The checkpoint a run starts from: its own newest (or ``load_step``), else ``initial_load_path``."""
     own = complete_steps(own_folder)
+    _refuse_damaged(own_folder, own, load_step)
     if load_step >= 0 and load_step in own:
         return step_dir(own_folder, load_step)
     if own and load_step < 0:
@@ -143,6 +234,7 @@ def resolve_checkpoint(own_folder: Path, load_step: int, initial_load_path: str)
                 "or a folder of them"
             )
         found = complete_steps(initial)
+        _refuse_damaged(initial, found, load_step)
         if load_step >= 0:
             if load_step not in found:
                 raise CheckpointError(
@@ -202,10 +294,11 @@ class CheckpointManager:
         barrier()
         if self.async_mode == "async" and not blocking:
             future = dcp.async_save(dict(self.parts), checkpoint_id=str(partial), process_group=self._group(),
-                                    async_stager=self._staging())
+                                    async_stager=self._staging(), planner=save_planner(step, self.rank))
             self._pending = (step, future)
             return final
-        dcp.save(dict(self.parts), checkpoint_id=str(partial))
+        dcp.save(dict(self.parts), checkpoint_id=str(partial), planner=save_planner(step, self.rank))
+        fault_point("save_written", step, self.rank)
         barrier()
         if self.rank == 0:
             self._complete(step)
@@ -250,20 +343,23 @@ class CheckpointManager:
     def _complete(self, step: int) -> None:
         final = step_dir(self.folder, step)
         os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
-        self._prune()
+        fault_point("save_renamed", step, self.rank)
+        self._prune(step)
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        for leftover in self.folder.glob(f"step-*{DELETING_SUFFIX}"):  # from a prune that was killed
+            shutil.rmtree(leftover, ignore_errors=True)
         if self.keep_latest_k <= 0:
             return
         for old in complete_steps(self.folder)[: -self.keep_latest_k]:
-            shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
+            doomed = step_dir(self.folder, old).with_name(f"step-{old}{DELETING_SUFFIX}")
+            os.replace(step_dir(self.folder, old), doomed)  # atomic: never a half-deleted step-N
+            fault_point("prune", step, self.rank)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def load(self, path: Path, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
         """Load every part not excluded; keys this rank needs but the checkpoint lacks are reported."""
-        try:
-            stored = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except Exception as err:
-            raise CheckpointError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err})") from None
+        stored = set(verify_checkpoint(path).state_dict_metadata)
         result = LoadResult(path=path)
         state: dict[str, Any] = {}
         for name, part in self.parts.items():
@@ -279,12 +375,14 @@ class CheckpointManager:
                     del part_state[key]
             state[name] = part_state
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=SafeLoadPlanner())
-        except CheckpointError:
-            raise
-        except Exception as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {first_line[:300]}") from None
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+        except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
+            cause = _first_failure(err) if isinstance(err, CheckpointException) else err
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+            first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {first_line[:300]}; resume with the "
+                                  "model and config it was saved with, or use another dump folder") from None
         for name, part_state in state.items():
             self.parts[name].load_state_dict(part_state)
         return result

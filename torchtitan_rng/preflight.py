@@ -10,16 +10,24 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from torchtitan_rng import preemption, resume_policy
 from torchtitan_rng.checkpoint import CheckpointError, resolve_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.train_spec import get_train_spec
 
 
-def check(config: JobConfig) -> None:
+def check(config: JobConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError/CheckpointError for anything that would stop the run once started; the
+    checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
     get_train_spec(config)
+    preemption.signal_numbers(config.signals.checkpoint_on)
     ckpt = config.checkpoint
     if ckpt.enable:
-        resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
+        path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
+        if path is not None:
+            saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
+            if world_size is not None:
+                resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,8 @@
-"""The training loop, read top to bottom: build, resume, restore the random streams last, train, save."""
+"""The training loop, read top to bottom: build, resume, restore the random streams last, train, save.
+
+A checkpoint signal (``signals.checkpoint_on``) only sets a flag; at each step boundary the ranks agree on
+it, save at that step and exit 0 (see preemption.py).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
+from torchtitan_rng import preemption, resume_policy, run_lock
 from torchtitan_rng.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -20,12 +25,13 @@ from torchtitan_rng.checkpoint import (
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.distributed import World, init_distributed, mean_over_ranks, teardown
+from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
+from torchtitan_rng.fault_injection import fault_point
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
-from torchtitan_rng.rng import preserved_global_rng, seed_model_init, seed_training_streams
+from torchtitan_rng.rng import preserved_global_rng, seed_model_init
 from torchtitan_rng.stream_probe import StreamProbe
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.train_state import TrainState
@@ -47,29 +53,50 @@ def _log(world: World, message: str) -> None:
         print(message, flush=True)
 
 
-def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState) -> bool:
-    """Load the checkpoint to resume from, if any; True when one was loaded."""
+def _take_run_lock(world: World, dump_folder: Path) -> None:
+    """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
+    refused: run_lock.RunLockError | None = None
+    if world.rank == 0:
+        try:
+            run_lock.acquire(dump_folder)  # released at exit
+        except run_lock.RunLockError as err:
+            refused = err
+    if all_ranks_agree_any(refused is not None, world.device):
+        raise refused or run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)")
+
+
+def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState,
+            dataloader: ResumableDataLoader) -> resume_policy.StreamPlan:
+    """Load the checkpoint to resume from, if any; the plan says how the random streams start."""
     ckpt = config.checkpoint
     if not ckpt.enable:
         if ckpt.initial_load_path or ckpt.load_step >= 0:
             raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
-        return False
+        return resume_policy.StreamPlan("fresh")
     path = resolve_checkpoint(checkpointer.folder, ckpt.load_step, ckpt.initial_load_path)
     if path is None:
-        return False
-    result = checkpointer.load(path, exclude=ckpt.exclude_from_loading)
-    if result.missing:
-        _log(world, f"WARNING: checkpoint {path} holds no {', '.join(result.missing)}; those start fresh")
+        return resume_policy.StreamPlan("fresh")
+    saved_world = resume_policy.saved_world_size(path)
+    reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
+    result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
+    if reseed:
+        resume_policy.reposition_sampler(dataloader.batch_sampler, train_state.step, saved_world)
+    others = [name for name in result.missing if not name.startswith("train_state")]  # RNG: the policy's
+    if others:
+        _log(world, f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
+    plan = resume_policy.plan_streams(config, train_state, result, reseed, world.world_size, lambda m: _log(world, m))
     _log(world, f"resumed from {path} at step {train_state.step}")
-    return True
+    return plan
 
 
 def train(config: JobConfig) -> int:
+    preemption.install(config.signals.checkpoint_on)
     world = init_distributed(config)
     if config.debug.deterministic:
         device_lib.use_deterministic_algorithms()
     spec = get_train_spec(config)
     dump_folder = Path(config.job.dump_folder)
+    _take_run_lock(world, dump_folder)
 
     # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
     seed_model_init(config.debug.seed)
@@ -110,7 +137,7 @@ def train(config: JobConfig) -> int:
         rank=world.rank,
         async_mode=config.checkpoint.async_mode,
     )
-    resumed = _resume(config, world, checkpointer, train_state)
+    stream_plan = _resume(config, world, checkpointer, train_state, dataloader)
     last_step = config.training.steps
     if train_state.step >= last_step:
         _log(world, f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")
@@ -120,8 +147,7 @@ def train(config: JobConfig) -> int:
     data_iter = iter(dataloader)
     # The global streams, last thing before the first step: after model build, the loader's iterator and
     # everything else that runs once at start-up, so that none of it shifts them.
-    if not (resumed and config.checkpoint.restore_rng and train_state.restore_rng()):
-        seed_training_streams(config.debug.seed, world.rank)
+    resume_policy.start_streams(stream_plan, train_state, config.debug.seed, world.rank)
 
     loss_log = LossLogWriter(loss_log_path(dump_folder)) if world.rank == 0 else None
     progress = ProgressReporter(
@@ -132,8 +158,10 @@ def train(config: JobConfig) -> int:
         device=world.device,
         enabled=world.rank == 0,
     )
+    stopped_at = None
     for step in range(train_state.step + 1, last_step + 1):
         fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
+        fault_point("before_step", step, world.rank)
         batch = _to_device(next(data_iter), world.device)
         optimizer.zero_grad(set_to_none=True)
         loss = spec.loss_fn(model, batch, config)
@@ -153,21 +181,36 @@ def train(config: JobConfig) -> int:
         if loss_log is not None:
             loss_log.write({**record, **fingerprints})
         progress.step_done(step, record["loss"], lr)
-        if config.checkpoint.enable and checkpointer.should_save(step, last_step):
+        saved = config.checkpoint.enable and checkpointer.should_save(step, last_step)
+        if saved:
             checkpointer.save(step, blocking=step == last_step)
         checkpointer.poll()
+        # One all-reduce: a signal on any rank stops every rank at this same step boundary.
+        if all_ranks_agree_any(preemption.received() is not None, world.device):
+            if not saved:
+                checkpointer.save(step)
+            stopped_at = step
+            break
 
     checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
     if loss_log is not None:
         loss_log.close()
     del data_iter  # shuts its workers down before the process group goes (trap 10)
     teardown()
+    if stopped_at is not None:
+        _log(world, f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "
+                    f"checkpoint {checkpointer.folder / f'step-{stopped_at}'} saved; run the same command again "
+                    "(with --checkpoint.enable) to resume")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    preemption.install()  # train.py did it before importing torch; this covers other callers
     try:
-        return train(parse_args(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, CheckpointError) as err:
+        code = train(parse_args(sys.argv[1:] if argv is None else argv))
+    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    if code == 0:
+        preemption.mark_clean_exit()
+    return code

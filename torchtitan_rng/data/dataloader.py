@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 )
 
 from torchtitan_rng.config import ConfigError
+from torchtitan_rng.preemption import ignore_checkpoint_signals
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
 from torchtitan_rng.rng import derive_seed
@@ -69,6 +70,8 @@ class ResumableDataLoader(StatefulDataLoader):
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
             snapshot_every_n_steps=snapshot_every_n_steps,
+            # A cluster signals every process of a job; the rank decides when to stop, not its workers.
+            worker_init_fn=ignore_checkpoint_signals,
         )
         # Batches handed out since construction or the last load_state_dict: a restore of the global RNG
         # after one was fetched comes too late for that batch (resume.ExactResume refuses it).

@@ -1,0 +1,88 @@
+"""Fault-injection points for tests: a rank kills (or signals) itself at a named moment of a run.
+
+Tests need "SIGKILL exactly while step-10 is being written", not "SIGKILL after about two seconds". The
+environment variable ``TORCHTITAN_RNG_FAULT`` arms one or more points, separated by ``;``:
+
+    POINT:STEP[:RANK[:SIGNAL]]      RANK: a rank or ``*`` (default: every rank); SIGNAL default SIGKILL
+
+Points, in the order a step meets them:
+
+* ``before_step``   right before step STEP starts (the previous step is complete and logged)
+* ``save_writing``  while DCP writes the checkpoint of STEP: half of this rank's items are handed to the
+  writer, the file is open (the folder is ``step-STEP.partial``)
+* ``save_written``  DCP has written everything of STEP, ``.metadata`` included, but the folder is still
+  ``step-STEP.partial``
+* ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
+* ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
+
+Each armed entry fires once. Unset (the normal case), every hook is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+ENV_VAR = "TORCHTITAN_RNG_FAULT"
+POINTS = ("before_step", "save_writing", "save_written", "save_renamed", "prune")
+
+
+@dataclass(frozen=True)
+class _Fault:
+    point: str
+    step: int
+    rank: int | None
+    signum: int
+
+
+def _parse(spec: str) -> dict[tuple[str, int], list[_Fault]]:
+    faults: dict[tuple[str, int], list[_Fault]] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        fields = entry.split(":")
+        if len(fields) < 2 or fields[0] not in POINTS:
+            raise ValueError(f"{ENV_VAR}: bad entry {entry!r}; expected POINT:STEP[:RANK[:SIGNAL]], POINT in {POINTS}")
+        rank = None if len(fields) < 3 or fields[2] == "*" else int(fields[2])
+        signum = int(getattr(signal, fields[3])) if len(fields) > 3 else int(signal.SIGKILL)
+        fault = _Fault(fields[0], int(fields[1]), rank, signum)
+        faults.setdefault((fault.point, fault.step), []).append(fault)
+    return faults
+
+
+_armed = _parse(os.environ.get(ENV_VAR, ""))
+
+
+def armed(point: str, step: int) -> bool:
+    return (point, step) in _armed
+
+
+def fault_point(point: str, step: int, rank: int) -> None:
+    """Fire the faults armed for ``point`` at ``step`` on this rank (each once)."""
+    for fault in list(_armed.get((point, step), ())):
+        if fault.rank is None or fault.rank == rank:
+            _armed[(point, step)].remove(fault)
+            os.kill(os.getpid(), fault.signum)
+
+
+class _FaultySavePlanner(DefaultSavePlanner):
+    """DCP's planner, firing ``save_writing`` when half of this rank's items went to the open file."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        super().__init__()
+        self.step, self.rank, self.resolved = step, rank, 0
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        self.resolved += 1  # DCP's writer calls this item by item, with the shard file open
+        if 2 * self.resolved >= len(self.plan.items):
+            fault_point("save_writing", self.step, self.rank)
+        return super().resolve_data(write_item)
+
+
+def save_planner(step: int, rank: int) -> DefaultSavePlanner | None:
+    """The planner for ``dcp.save`` when ``save_writing`` is armed for this step, else None (DCP's own)."""
+    return _FaultySavePlanner(step, rank) if armed("save_writing", step) else None

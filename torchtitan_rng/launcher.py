@@ -1,0 +1,84 @@
+"""torchrun for ``run_train.sh``: preflight, the dump-folder lock, and exit 0 after a preemption stop.
+
+    python -m torchtitan_rng.launcher [torchrun options] train.py --job.config_file F [overrides]
+
+It runs torchrun in this process (this process *is* the torchrun parent) with three additions:
+
+* Bad input (config, the checkpoint to resume from, a process count that does not fit it) fails here, in
+  one line with exit 2, before any rank is started.
+* On one node it takes the dump folder's lock (run_lock.py) for the whole run and hands its token to the
+  ranks; with several nodes rank 0 takes it instead.
+* torchrun forwards a signal it handles to every rank, waits for them, then reports failure even when all
+  of them checkpointed and exited 0. The signals of ``signals.checkpoint_on`` are added to the ones
+  torchrun forwards, and when such a signal ends the run, the launcher exits 0 if every local rank left
+  its clean-exit marker (preemption.py), else 128 + the signal number. Ranks get ``--shutdown-timeout``
+  (default 30 s, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to save before torchrun kills them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from torchtitan_rng import preemption, preflight, run_lock
+from torchtitan_rng.checkpoint import CheckpointError
+from torchtitan_rng.config import ConfigError, parse_args
+
+
+def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
+    """The process count when it is fixed (not an elastic range, not ``auto``)."""
+    return int(nnodes) * int(nproc_per_node) if nnodes.isdigit() and nproc_per_node.isdigit() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    single_node = args.nnodes == "1"
+    try:
+        config = parse_args(args.training_script_args)
+        preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
+        lock = run_lock.acquire(config.job.dump_folder) if single_node else None
+    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
+    args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
+    exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
+    os.environ[preemption.EXIT_DIR_ENV] = str(exit_dir)
+    if lock is not None:
+        os.environ[run_lock.TOKEN_ENV] = lock.token
+    try:
+        torchrun.run(args)
+        return 0
+    except SignalException as err:
+        for name in args.signals_to_handle.split(","):  # the ranks are gone; a late signal changes nothing
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        clean, expected = preemption.clean_exits(exit_dir)
+        if expected and clean == expected:
+            print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; run the same command "
+                  "again to resume", flush=True)
+            return 0
+        print(f"error: stopped by {err.sigval.name} before every rank had checkpointed ({clean} local ranks "
+              "exited cleanly); a rerun resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items())
+        code = failure.exitcode
+        reason = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        print(f"error: rank {rank} failed ({reason}); its message is above", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    finally:
+        shutil.rmtree(exit_dir, ignore_errors=True)
+        if lock is not None:
+            lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

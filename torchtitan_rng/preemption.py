@@ -1,0 +1,90 @@
+"""Preemption signals: a signal only sets a flag; the trainer turns it into "checkpoint and exit 0".
+
+A cluster ends a job with a signal (SLURM: SIGTERM at the time limit, or ``--signal=USR1@90`` ahead of
+it). Each rank handles the signals of ``signals.checkpoint_on``: the handler records the signal and
+returns, so a signal can never interrupt a checkpoint half-way (a second one during the save is only
+recorded again). At every step boundary the ranks agree with one all-reduce whether any of them got one
+(``distributed.all_ranks_agree_any``); then all save at that same step and exit 0.
+
+This module imports nothing heavy: ``train.py`` installs the handlers before torch is imported, so that a
+signal forwarded by torchrun during start-up does not kill a rank.
+
+Under ``torchtitan_rng.launcher`` (what ``run_train.sh`` starts), torchrun receives the signal, forwards it
+to every rank and reports failure even when they all stopped cleanly; each rank therefore leaves a marker
+in ``$TORCHTITAN_RNG_EXIT_DIR`` when it exits 0, and the launcher exits 0 when every local rank did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import FrameType
+
+from torchtitan_rng.config import ConfigError
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+EXIT_DIR_ENV = "TORCHTITAN_RNG_EXIT_DIR"
+_UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
+
+_received: list[str] = []
+_handled: set[int] = set()
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    _received.append(signal.Signals(signum).name)
+
+
+def signal_numbers(names: list[str] | tuple[str, ...]) -> list[int]:
+    """The signals for ``signals.checkpoint_on``; ConfigError naming a bad one."""
+    numbers = []
+    for name in names:
+        number = getattr(signal, name, None)
+        if not isinstance(number, signal.Signals) or name in _UNHANDLEABLE:
+            raise ConfigError(
+                f"config signals.checkpoint_on has {name!r}: not a signal a run can checkpoint on; "
+                "use names like SIGTERM, SIGUSR1, SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)"
+            )
+        numbers.append(int(number))
+    return numbers
+
+
+def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
+    """Handle exactly ``names`` from now on. A signal that arrived while it was handled but is not in
+    ``names`` is delivered again with the default action (the configuration did not ask to catch it)."""
+    wanted = set(signal_numbers(names))
+    for signum in _handled - wanted:
+        signal.signal(signum, signal.SIG_DFL)
+        if signal.Signals(signum).name in _received:
+            signal.raise_signal(signum)
+    for signum in wanted - _handled:
+        signal.signal(signum, _record)
+    _handled.clear()
+    _handled.update(wanted)
+
+
+def ignore_checkpoint_signals(worker_id: int = 0) -> None:
+    """In a dataloader worker (forked from a rank, with its handlers): ignore the signals the rank
+    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save."""
+    for signum in _handled:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def received() -> str | None:
+    """The first checkpoint signal this process got, or None."""
+    return _received[0] if _received else None
+
+
+def mark_clean_exit() -> None:
+    """Tell the launcher (when there is one) that this rank exits 0."""
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    if exit_dir:
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        (Path(exit_dir) / f"rank_{os.environ.get('LOCAL_RANK', '0')}.ok").write_text(local_world)
+
+
+def clean_exits(exit_dir: Path) -> tuple[int, int]:
+    """(ranks that exited cleanly, local ranks expected) from the markers in ``exit_dir``."""
+    markers = list(exit_dir.glob("rank_*.ok"))
+    expected = max((int(marker.read_text() or 0) for marker in markers), default=0)
+    return len(markers), expected

@@ -1,0 +1,137 @@
+"""One run per dump folder: ``{dump_folder}/.run.lock`` names the run that holds it.
+
+Two runs writing the same checkpoints and loss log would corrupt each other's resume, so the second one
+refuses, naming the first. The lock is a file created with O_EXCL holding JSON (pid, host, start time,
+command, a random token); its holder refreshes its modification time every ``HEARTBEAT_S`` seconds.
+
+A lock is stale, and taken over, when its process is gone (same host: the pid no longer exists) or its
+heartbeat stopped more than ``STALE_AFTER_S`` seconds ago (any host: a job killed on another node).
+
+Who takes it: the launcher (``run_train.sh``, one node) before torchrun starts, passing its token to the
+ranks in ``TORCHTITAN_RNG_RUN_LOCK``; a rank whose environment carries the lock's token runs under it.
+Otherwise (``python train.py``, plain torchrun, several nodes) rank 0 takes it for the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".run.lock"
+TOKEN_ENV = "TORCHTITAN_RNG_RUN_LOCK"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 120.0
+
+
+class RunLockError(RuntimeError):
+    """The dump folder is in use; the message names the run holding it."""
+
+
+def lock_path(dump_folder: str | Path) -> Path:
+    return Path(dump_folder) / LOCK_NAME
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _is_stale(path: Path, holder: dict[str, Any] | None) -> bool:
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    if age > STALE_AFTER_S:
+        return True
+    if holder is None:  # being written right now by its creator, or garbage that will age out
+        return False
+    return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    if holder is None:
+        return "a run whose lock file cannot be read yet"
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+class RunLock:
+    """A held lock (or, with ``owned=False``, the launcher's lock this process runs under)."""
+
+    def __init__(self, path: Path, token: str, owned: bool) -> None:
+        self.path = path
+        self.token = token
+        self.owned = owned
+        self._stop = threading.Event()
+        if owned:
+            threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True).start()
+            atexit.register(self.release)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (idempotent)."""
+        self._stop.set()
+        if self.owned and (_read(self.path) or {}).get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        self.owned = False
+
+
+def acquire(dump_folder: str | Path) -> RunLock:
+    """Take the dump folder's lock, take over a stale one, or raise RunLockError naming the holder."""
+    path = lock_path(dump_folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    inherited = os.environ.get(TOKEN_ENV)
+    token = uuid.uuid4().hex
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "token": token,
+    }
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read(path)
+            if inherited and holder is not None and holder.get("token") == inherited:
+                return RunLock(path, inherited, owned=False)
+            if not _is_stale(path, holder):
+                raise RunLockError(
+                    f"dump folder {path.parent} is in use by another run ({describe(holder)}; lock file {path}); "
+                    f"wait for it to finish or use another --job.dump_folder (delete the lock file only if that "
+                    f"run is gone)"
+                ) from None
+            path.unlink(missing_ok=True)  # a dead run's lock (two runs taking it over at once: not handled)
+            continue
+        with os.fdopen(fd, "w") as file:
+            json.dump(record, file)
+        return RunLock(path, token, owned=True)
+    raise RunLockError(f"could not take the lock {path}: other runs keep taking it; try again")
