@@ -36,7 +36,6 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_rng.distributed import barrier
+from torchtitan_rng.checkpoint_staging import HostCopyStager
 from torchtitan_rng.fault_injection import fault_point, save_planner
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -276,7 +276,7 @@ class CheckpointManager:
         self.async_mode = async_mode
         self._pending: tuple[int, Future] | None = None  # the background save: (step, its future)
         self._background_group: Any = None
-        self._stager: DefaultStager | None = None
+        self._stager: HostCopyStager | None = None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
@@ -312,12 +312,10 @@ class CheckpointManager:
             self._background_group = dist.new_group(backend="gloo")
         return self._background_group
 
-    def _staging(self) -> DefaultStager:
-        """One stager for the whole run: it keeps its CPU copy of the state between saves, so a save after
-        the first only copies into memory it already has (the previous write is finished by then)."""
+    def _staging(self) -> HostCopyStager:
+        """One stager for the whole run: it keeps its host buffers between saves."""
         if self._stager is None:
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=False))
+            self._stager = HostCopyStager()
         return self._stager
 
     def poll(self) -> None:
