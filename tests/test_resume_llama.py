@@ -56,3 +56,18 @@ def test_two_processes_resume_exactly(tmp_path: Path) -> None:
     stop_and_resume(run_b, stop_at=10, total=20, nproc=2)
     result = compare(run_a, run_b)
     assert result.returncode == 0, result.stdout
+
+
+def test_resume_from_older_checkpoint_refuses_to_overwrite_newer(stopped_and_resumed: Path) -> None:
+    """load_step 5 in a folder holding step-10..20 would save over them: one line, exit 2, nothing touched."""
+    before = {p.name: p.stat().st_mtime_ns for p in (stopped_and_resumed / "checkpoint").iterdir()}
+    log_before = (stopped_and_resumed / "loss_log.jsonl").read_bytes()
+    proc = train(stopped_and_resumed, "--checkpoint.enable", "--checkpoint.load_step", "5",
+                 "--lr_scheduler.total_steps", "20", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: this run would save over the existing checkpoints 10, 15, 20 in {stopped_and_resumed / 'checkpoint'}; "
+        "resume into a fresh dump folder with --checkpoint.initial_load_path, or move those checkpoints away"
+    ]
+    assert {p.name: p.stat().st_mtime_ns for p in (stopped_and_resumed / "checkpoint").iterdir()} == before
+    assert (stopped_and_resumed / "loss_log.jsonl").read_bytes() == log_before

@@ -256,6 +256,16 @@ def resolve_checkpoint(own_folder: Path, load_step: int, initial_load_path: str)
     return None
 
 
+def refuse_overwrite(folder: Path, planned_saves: list[int]) -> None:
+    """A run resumed from an older checkpoint must not save over a newer one of an earlier history."""
+    taken = sorted(set(planned_saves) & set(complete_steps(folder)))
+    if taken:
+        raise CheckpointError(
+            f"this run would save over the existing checkpoints {_describe(taken)} in {folder}; resume into a "
+            "fresh dump folder with --checkpoint.initial_load_path, or move those checkpoints away"
+        )
+
+
 @dataclass
 class LoadResult:
     path: Path

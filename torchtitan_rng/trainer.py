@@ -20,6 +20,7 @@ from torchtitan_rng.checkpoint import (
     CheckpointManager,
     ModelState,
     OptimizerState,
+    refuse_overwrite,
     resolve_checkpoint,
 )
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
@@ -79,6 +80,9 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
     saved_world = resume_policy.saved_world_size(path)
     reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
     result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
+    last_step = config.training.steps
+    refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
+                                           if checkpointer.should_save(step, last_step)])
     if reseed:
         resume_policy.reposition_sampler(dataloader.batch_sampler, train_state.step, saved_world)
     others = [name for name in result.missing if not name.startswith("train_state")]  # RNG: the policy's
