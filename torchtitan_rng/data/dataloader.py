@@ -81,13 +81,19 @@ class ResumableDataLoader(StatefulDataLoader):
         return _CountingIterator(super().__iter__(), self)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"num_workers": self.num_workers_configured, "loader": super().state_dict()}
+        # Not iterated since construction or the last load: the state is the pending one (None: the start).
+        # Asking torchdata would build an iterator, starting the workers only to throw them away (e.g. when
+        # the checkpoint manager builds DCP's load template at resume).
+        loader_state = self.next_iter_state if self._iterator is None else super().state_dict()
+        state = {"num_workers": self.num_workers_configured, "loader": loader_state}
         return {dp_rank_key(self.dp_rank): encode_state(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batches_since_load = 0
         state = decode_state(state_dict[dp_rank_key(self.dp_rank)])
         saved_workers = int(state["num_workers"])
+        if state["loader"] is None:  # saved before its first batch: a fresh loader is that state
+            return
         if saved_workers == self.num_workers_configured:
             super().load_state_dict(state["loader"])
             return
