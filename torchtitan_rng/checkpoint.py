@@ -126,7 +126,7 @@ def verify_checkpoint(path: Path) -> Metadata:
     except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
         raise CheckpointError(
             f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); pick another with --checkpoint.load_step"
+            f"{_first_line(err)}); pick another with --checkpoint.load_step"
         ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -141,6 +141,12 @@ def verify_checkpoint(path: Path) -> Metadata:
                                   f"({shard.stat().st_size} bytes, {size} expected); pick another with "
                                   "--checkpoint.load_step")
     return metadata
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), else its type's name."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
 
 
 def _first_failure(err: CheckpointException) -> BaseException:
@@ -342,8 +348,7 @@ class CheckpointManager:
         try:
             future.result()
         except (Exception, dcp.CheckpointException) as err:  # DCP's wrapper is a BaseException
-            first_line = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"the background save of step {step} failed: {first_line}") from None
+            raise CheckpointError(f"the background save of step {step} failed: {_first_line(err)}") from None
         # DCP's coordinator (rank 0) writes .metadata after every rank's write: its future done means all are.
         if self.rank == 0:
             self._complete(step)
@@ -388,8 +393,7 @@ class CheckpointManager:
             cause = _first_failure(err) if isinstance(err, CheckpointException) else err
             if isinstance(cause, CheckpointError):
                 raise cause from None
-            first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {first_line[:300]}; resume with the "
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {_first_line(cause)}; resume with the "
                                   "model and config it was saved with, or use another dump folder") from None
         for name, part_state in state.items():
             self.parts[name].load_state_dict(part_state)
