@@ -38,10 +38,8 @@ def _folders(dump: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("A")
-    train(dump)
-    return dump
+def uninterrupted(llama_uninterrupted: Path) -> Path:
+    return llama_uninterrupted
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,8 @@ def _every_line_matches(uninterrupted: Path, resumed: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("A")
-    train(dump, nproc=2)
-    return dump
+def uninterrupted(llama_uninterrupted_two_processes: Path) -> Path:
+    return llama_uninterrupted_two_processes
 
 
 @pytest.fixture(scope="module")

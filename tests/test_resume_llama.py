@@ -12,10 +12,8 @@ from torchtitan_rng.loss_log import read_loss_log
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("llama_A")
-    train(dump)
-    return dump
+def uninterrupted(llama_uninterrupted: Path) -> Path:
+    return llama_uninterrupted
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +48,9 @@ def test_control_without_rng_restore_differs(uninterrupted: Path, stopped_and_re
     assert result.stdout.startswith("first differing step 11:"), result.stdout
 
 
-def test_two_processes_resume_exactly(tmp_path: Path) -> None:
-    run_a, run_b = tmp_path / "A", tmp_path / "B"
-    train(run_a, nproc=2)
-    stop_and_resume(run_b, stop_at=10, total=20, nproc=2)
-    result = compare(run_a, run_b)
+def test_two_processes_resume_exactly(llama_uninterrupted_two_processes: Path, tmp_path: Path) -> None:
+    stop_and_resume(tmp_path, stop_at=10, total=20, nproc=2)
+    result = compare(llama_uninterrupted_two_processes, tmp_path)
     assert result.returncode == 0, result.stdout
 
 
