@@ -19,5 +19,5 @@ else
 fi
 # torchrun, run by the launcher: bad input fails there in one line before any rank starts; it holds the
 # dump folder's lock; a checkpoint signal (SIGTERM, SIGUSR1) makes every rank save and the job exit 0.
-exec "$PYTHON" -m torchtitan_rng.launcher "${rdzv[@]}" --nproc-per-node "$NGPU" --local-ranks-filter 0 \
-  --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"
+exec "$PYTHON" -m torchtitan_rng.launch.launcher "${rdzv[@]}" --nproc-per-node "$NGPU" --local-ranks-filter 0 \
+  --role rank --tee 3 --module torchtitan_rng.train --job.config_file "$CONFIG_FILE" "$@"

@@ -19,14 +19,14 @@ from typing import Any, Callable
 import torch
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint import ModelState, OptimizerState
+from torchtitan_rng.checkpoint.manager import ModelState, OptimizerState
 from torchtitan_rng.config import JobConfig, parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.rng import seed_model_init, seed_training_streams
 from torchtitan_rng.train_spec import get_train_spec
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"

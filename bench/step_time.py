@@ -17,7 +17,7 @@ import re
 import tempfile
 
 from bench.common import DEBUG_CONFIG, median, parser, spread, table
-from torchtitan_rng.trainer import main as train_main
+from torchtitan_rng.train import main as train_main
 
 FEATURES_OFF = ["--data.snapshot_every_n_steps", "1000000000", "--data.capture_worker_rng", "false",
                 "--signals.checkpoint_on="]

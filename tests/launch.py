@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_rng.training_runs import run_training, training_command
+from torchtitan_rng.launch.runs import run_training, training_command
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,9 +11,9 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from launch import compare, train
-from torchtitan_rng.checkpoint import CheckpointManager, ModelState, complete_steps
+from torchtitan_rng.checkpoint.manager import CheckpointManager, ModelState, complete_steps
 from torchtitan_rng.loss_log import read_loss_log
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 TOTAL, STOP, INTERVAL = 12, 10, 4  # saves at 4 and 8 are async; 10 (the stop) and 12 (the end) synchronous
 

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from launch import compare, start, train, wait_for_log_lines
-from torchtitan_rng.run_lock import lock_path
-from torchtitan_rng.state_codec import decode_state, encode_state
+from torchtitan_rng.launch.run_lock import lock_path
+from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2")
 

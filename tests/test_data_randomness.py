@@ -25,14 +25,14 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from launch import REPO, compare, train
-from torchtitan_rng.checkpoint import CheckpointManager, ModelState, OptimizerState, step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, step_dir
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.rng import seed_model_init, seed_training_streams
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 # ----------------------------------------------------------------------------------------------------
 # Part 1: seed 001 with this project's API

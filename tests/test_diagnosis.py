@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, compare, run_env, train
-from torchtitan_rng.divergence import diagnose
+from torchtitan_rng.diagnosis.divergence import diagnose
 from torchtitan_rng.loss_log import read_loss_log
 
 STEPS = 8

@@ -111,7 +111,7 @@ def test_restore_after_fetching_is_refused(order_runs: tuple[Path, Path], tmp_pa
                        "--order", "get_first", check=False)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
-        "torchtitan_rng.resume.RestoreOrderError: restore_rng() was called after the dataloader yielded 1 "
+        "torchtitan_rng.own_loop.RestoreOrderError: restore_rng() was called after the dataloader yielded 1 "
         "batch(es) of this run; call it after iter(dataloader) and before the first batch is fetched"
     )
     assert not (tmp_path / "loss_log.jsonl").exists()  # no step was trained on the wrong batch

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from torchtitan_rng.checkpoint import SafeLoadPlanner
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.manager import SafeLoadPlanner
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 WORLD = 2
 

@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     # Exact resume in your own loop.
-    "ExactResume": "torchtitan_rng.resume",
-    "RestoreOrderError": "torchtitan_rng.resume",
-    "build_dataloader": "torchtitan_rng.resume",
+    "ExactResume": "torchtitan_rng.own_loop",
+    "RestoreOrderError": "torchtitan_rng.own_loop",
+    "build_dataloader": "torchtitan_rng.own_loop",
     # Step and per-rank random streams as a DCP Stateful.
-    "TrainState": "torchtitan_rng.train_state",
+    "TrainState": "torchtitan_rng.checkpoint.train_state",
     # Checkpoints on torch.distributed.checkpoint.
-    "CheckpointManager": "torchtitan_rng.checkpoint",
-    "CheckpointError": "torchtitan_rng.checkpoint",
-    "ModelState": "torchtitan_rng.checkpoint",
-    "OptimizerState": "torchtitan_rng.checkpoint",
-    "SafeLoadPlanner": "torchtitan_rng.checkpoint",
-    "complete_steps": "torchtitan_rng.checkpoint",
-    "resolve_checkpoint": "torchtitan_rng.checkpoint",
+    "CheckpointManager": "torchtitan_rng.checkpoint.manager",
+    "CheckpointError": "torchtitan_rng.checkpoint.manager",
+    "ModelState": "torchtitan_rng.checkpoint.manager",
+    "OptimizerState": "torchtitan_rng.checkpoint.manager",
+    "SafeLoadPlanner": "torchtitan_rng.checkpoint.manager",
+    "complete_steps": "torchtitan_rng.checkpoint.manager",
+    "resolve_checkpoint": "torchtitan_rng.checkpoint.manager",
     # Data.
     "ResumableDataLoader": "torchtitan_rng.data.dataloader",
     "split_sample_key": "torchtitan_rng.data.sampler",
@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check both lists agree)
-    from torchtitan_rng.checkpoint import (
+    from torchtitan_rng.checkpoint.manager import (
         CheckpointError,
         CheckpointManager,
         ModelState,
@@ -85,7 +85,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check 
     from torchtitan_rng.data.sample_rng import SampleRandomDataset, sample_generator, sample_numpy_generator
     from torchtitan_rng.data.sampler import split_sample_key
     from torchtitan_rng.data.worker_rng import WorkerRNGDataset
-    from torchtitan_rng.resume import ExactResume, RestoreOrderError, build_dataloader
+    from torchtitan_rng.own_loop import ExactResume, RestoreOrderError, build_dataloader
     from torchtitan_rng.rng import (
         capture_global_rng,
         derive_seed,
@@ -97,4 +97,4 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check 
         seed_training_streams,
     )
     from torchtitan_rng.train_spec import TrainSpec, register_train_spec
-    from torchtitan_rng.train_state import TrainState
+    from torchtitan_rng.checkpoint.train_state import TrainState

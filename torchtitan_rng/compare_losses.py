@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.divergence import describe, diagnose, first_stream_divergence
+from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
 from torchtitan_rng.loss_log import LossLogError, read_loss_log
-from torchtitan_rng.loss_plot import PlotUnavailable, plot_losses, pyplot
+from torchtitan_rng.diagnosis.plot import PlotUnavailable, plot_losses, pyplot
 
 
 def same_bits(a: float, b: float) -> bool:

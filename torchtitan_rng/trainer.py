@@ -1,7 +1,7 @@
 """The training loop, read top to bottom: build, resume, restore the random streams last, train, save.
 
 A checkpoint signal (``signals.checkpoint_on``) only sets a flag; at each step boundary the ranks agree on
-it, save at that step and exit 0 (see preemption.py).
+it, save at that step and exit 0 (see launch/preemption.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng import preemption, resume_policy, run_lock
-from torchtitan_rng.checkpoint import (
+from torchtitan_rng.checkpoint import resume as resume_policy
+from torchtitan_rng.launch import preemption, run_lock
+from torchtitan_rng.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     ModelState,
@@ -23,7 +24,7 @@ from torchtitan_rng.checkpoint import (
     refuse_overwrite,
     resolve_checkpoint,
 )
-from torchtitan_rng.config import ConfigError, JobConfig, parse_args
+from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
@@ -33,9 +34,9 @@ from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
-from torchtitan_rng.stream_probe import StreamProbe
+from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.train_spec import Batch, get_train_spec
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
@@ -208,10 +209,10 @@ def train(config: JobConfig) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    preemption.install()  # train.py did it before importing torch; this covers other callers
+def run(config: JobConfig) -> int:
+    """Train with a parsed config; bad input and unusable checkpoints are one line and exit code 2."""
     try:
-        code = train(parse_args(sys.argv[1:] if argv is None else argv))
+        code = train(config)
     except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
-from torchtitan_rng.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.training_runs import EntryScriptMissing, run_training
+from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
+from torchtitan_rng.launch.runs import EntryScriptMissing, run_training
 from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log
 
 USAGE = ("usage: python -m torchtitan_rng.verify_resume --config F --steps N --stop-at K [--nproc P] "

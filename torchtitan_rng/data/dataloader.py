@@ -15,11 +15,11 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 )
 
 from torchtitan_rng.config import ConfigError
-from torchtitan_rng.preemption import ignore_checkpoint_signals
+from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
 from torchtitan_rng.rng import derive_seed
-from torchtitan_rng.state_codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 
 # torchdata 0.11 calls a deprecated torch API at every loader construction; the warning is not ours to fix.

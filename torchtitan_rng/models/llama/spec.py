@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from torchtitan_rng.config import ConfigError, JobConfig
-from torchtitan_rng.data.text import ByteWindowDataset, load_corpus
+from torchtitan_rng.models.llama.dataset import ByteWindowDataset, load_corpus
 from torchtitan_rng.models.llama.model import FLAVORS, Llama
 from torchtitan_rng.train_spec import Batch, TrainSpec, register_train_spec
 

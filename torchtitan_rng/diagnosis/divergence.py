@@ -1,7 +1,7 @@
 """Which random stream diverged first, and on which rank: read from the fingerprints in two loss logs.
 
 Each loss-log line of a run with ``debug.rng_fingerprint`` holds, per rank, a hash of every random stream
-entering that step (see stream_probe.py). Comparing two runs step by step, the first step where a hash
+entering that step (see fingerprints.py). Comparing two runs step by step, the first step where a hash
 differs names the stream and rank that went wrong, and whether that happened before the losses parted or
 not at all (then the difference is not in the random streams).
 """

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from torchtitan_rng.checkpoint import CheckpointError, LoadResult, verify_checkpoint
+from torchtitan_rng.checkpoint.manager import CheckpointError, LoadResult, verify_checkpoint
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.rng import derive_seed, seed_training_streams
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 _RANK_ENTRY = re.compile(r"^train_state\.rank_\d+$")
 

@@ -17,13 +17,12 @@ class EntryScriptMissing(RuntimeError):
 
 
 def training_command(config_file: Path, args: list[str], nproc: int = 1, via_run_train: bool = False) -> list[str]:
-    """``python train.py`` for one process unless ``via_run_train``; run_train.sh for several."""
-    direct = nproc == 1 and not via_run_train
-    script = REPO / ("train.py" if direct else "run_train.sh")
+    """``python -m torchtitan_rng.train`` for one process unless ``via_run_train``; run_train.sh for several."""
+    if nproc == 1 and not via_run_train:
+        return [sys.executable, "-m", "torchtitan_rng.train", "--job.config_file", str(config_file), *args]
+    script = REPO / "run_train.sh"
     if not script.is_file():
         raise EntryScriptMissing(f"{script} not found: run this from a source checkout of torchtitan_rng")
-    if direct:
-        return [sys.executable, str(script), "--job.config_file", str(config_file), *args]
     return ["bash", str(script), *args]
 
 

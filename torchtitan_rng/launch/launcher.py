@@ -1,6 +1,6 @@
 """torchrun for ``run_train.sh``: preflight, the dump-folder lock, and exit 0 after a preemption stop.
 
-    python -m torchtitan_rng.launcher [torchrun options] train.py --job.config_file F [overrides]
+    python -m torchtitan_rng.launch.launcher [torchrun options] train.py --job.config_file F [overrides]
 
 It runs torchrun in this process (this process *is* the torchrun parent) with three additions:
 
@@ -28,8 +28,8 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from torchtitan_rng import preemption, preflight, run_lock
-from torchtitan_rng.checkpoint import CheckpointError
+from torchtitan_rng.launch import preemption, preflight, run_lock
+from torchtitan_rng.checkpoint.manager import CheckpointError
 from torchtitan_rng.config import ConfigError, parse_args
 
 

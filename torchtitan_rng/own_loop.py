@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint import (
+from torchtitan_rng.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     ModelState,
@@ -36,7 +36,7 @@ from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import seed_training_streams
-from torchtitan_rng.train_state import TrainState
+from torchtitan_rng.checkpoint.train_state import TrainState
 
 
 class RestoreOrderError(RuntimeError):

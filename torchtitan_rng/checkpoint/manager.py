@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_rng.distributed import barrier
-from torchtitan_rng.checkpoint_staging import HostCopyStager
+from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.fault_injection import fault_point, save_planner
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -1,6 +1,6 @@
 """Checks a run's configuration and checkpoint choice before torchrun starts any process.
 
-    python -m torchtitan_rng.preflight --job.config_file F [overrides]
+    python -m torchtitan_rng.launch.preflight --job.config_file F [overrides]
 
 Exit 0 when the run can start; 2 with one line naming the problem otherwise.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torchtitan_rng import preemption, resume_policy
-from torchtitan_rng.checkpoint import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint import resume as resume_policy
+from torchtitan_rng.launch import preemption
+from torchtitan_rng.checkpoint.manager import CheckpointError, resolve_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.train_spec import get_train_spec
 

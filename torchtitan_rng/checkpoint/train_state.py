@@ -12,7 +12,7 @@ import torch
 
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
-from torchtitan_rng.state_codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 STATE_FORMAT = 1
 

@@ -9,7 +9,7 @@ recorded again). At every step boundary the ranks agree with one all-reduce whet
 This module imports nothing heavy: ``train.py`` installs the handlers before torch is imported, so that a
 signal forwarded by torchrun during start-up does not kill a rank.
 
-Under ``torchtitan_rng.launcher`` (what ``run_train.sh`` starts), torchrun receives the signal, forwards it
+Under ``torchtitan_rng.launch.launcher`` (what ``run_train.sh`` starts), torchrun receives the signal, forwards it
 to every rank and reports failure even when they all stopped cleanly; each rank therefore leaves a marker
 in ``$TORCHTITAN_RNG_EXIT_DIR`` when it exits 0, and the launcher exits 0 when every local rank did.
 """

@@ -1,0 +1,1 @@
+"""Finding why two runs differ: per-step stream fingerprints, divergence diagnosis, loss plots."""

@@ -1,0 +1,31 @@
+"""The trainer's entry: ``python -m torchtitan_rng.train --job.config_file F [--section.key value ...]``.
+
+``run_train.sh`` starts it under torchrun; ``python train.py`` in a source checkout is the same. It imports
+nothing heavy before the signal handlers are in place: torch takes seconds to import, and a checkpoint
+signal forwarded by torchrun during that time must not kill a rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan_rng.config import ConfigError, parse_args
+from torchtitan_rng.launch import preemption
+
+
+def main(argv: list[str] | None = None) -> int:
+    preemption.install()
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+        preemption.install(config.signals.checkpoint_on)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    from torchtitan_rng.trainer import run
+
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
