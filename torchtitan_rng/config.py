@@ -58,6 +58,9 @@ class Training:
     # Flux: "uniform" or "logit_normal" timesteps.
     timestep_sampling: str = "logit_normal"
     image_size: int = 16
+    # Samples per optimizer step over all data-parallel ranks; -1: local_batch_size x data-parallel size.
+    # Gradient accumulation runs global / (local x dp) micro-batches per step.
+    global_batch_size: int = -1
 
 
 @dataclass
@@ -126,6 +129,9 @@ class Metrics:
 class Parallelism:
     # Processes that shard the model (FSDP2); -1 means all of them.
     data_parallel_shard_degree: int = -1
+    # The same bits at any power-of-two process count: micro-batches by global position, random streams per
+    # micro-batch, gradients summed in one fixed tree, parameters replicated (README: replay on one machine).
+    world_size_invariant: bool = False
 
 
 @dataclass

@@ -15,6 +15,9 @@ Which streams are shared across ranks and which are per rank (the one place this
 * per rank: the global training streams (dropout, diffusion noise, timesteps, prompt dropout) seeded by
   ``seed_training_streams`` from ``derive_seed(seed, "training-streams", rank)``, and the dataloader's
   worker seeds (``derive_seed(seed, "dataloader", dp_rank)``).
+* per micro-batch, in world-size-invariant training (``parallelism.world_size_invariant``): the global
+  training streams are seeded before every micro-batch from ``derive_seed(seed, "micro-batch", step, slot)``
+  by ``seed_micro_batch_streams``; no rank owns a stream, and a resume restores none.
 """
 
 from __future__ import annotations
@@ -64,10 +67,20 @@ def seed_model_init(seed: int) -> None:
 
 def seed_training_streams(seed: int, rank: int) -> None:
     """Per rank: the global streams a fresh run trains with (a resumed run restores them instead)."""
-    rank_seed = derive_seed(seed, "training-streams", rank)
-    random.seed(rank_seed)
-    np.random.seed(rank_seed % (1 << 32))
-    torch.manual_seed(rank_seed)  # also seeds every accelerator generator
+    _seed_global_streams(derive_seed(seed, "training-streams", rank))
+
+
+def seed_micro_batch_streams(seed: int, step: int, slot: int) -> None:
+    """World-size-invariant training: the global and registered streams of micro-batch ``slot`` of ``step``."""
+    _seed_global_streams(derive_seed(seed, "micro-batch", step, slot))
+    for name, generator in _registered.items():
+        generator.manual_seed(derive_seed(seed, "micro-batch", step, slot, name))
+
+
+def _seed_global_streams(value: int) -> None:
+    random.seed(value)
+    np.random.seed(value % (1 << 32))
+    torch.manual_seed(value)  # also seeds every accelerator generator
 
 
 def capture_host_rng() -> dict[str, Any]:

@@ -35,6 +35,7 @@ from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
+from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.train_spec import Batch, get_train_spec
 from torchtitan_rng.checkpoint.train_state import TrainState
 
@@ -78,14 +79,23 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
     path = resolve_checkpoint(checkpointer.folder, ckpt.load_step, ckpt.initial_load_path)
     if path is None:
         return resume_policy.StreamPlan("fresh")
+    invariant = config.parallelism.world_size_invariant
+    invariant_setup.check_checkpoint_mode(path, invariant)
     saved_world = resume_policy.saved_world_size(path)
-    reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
-    result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
+    # An invariant run's data position and random streams follow from the step: any process count goes on.
+    reseed = not invariant and resume_policy.world_size_changed(path, saved_world, world.world_size,
+                                                                ckpt.on_world_size_change)
+    result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading,
+                                              *(["dataloader"] if reseed or invariant else [])])
     last_step = config.training.steps
     refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                            if checkpointer.should_save(step, last_step)])
     if reseed:
         resume_policy.reposition_sampler(dataloader.batch_sampler, train_state.step, saved_world)
+    if invariant:
+        invariant_setup.position_sampler(dataloader.batch_sampler, train_state.step)
+        _log(world, f"resumed from {path} at step {train_state.step} (world-size-invariant)")
+        return resume_policy.StreamPlan("fresh")  # every micro-batch seeds its own streams
     others = [name for name in result.missing if not name.startswith("train_state")]  # RNG: the policy's
     if others:
         _log(world, f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
@@ -97,7 +107,10 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
 def train(config: JobConfig) -> int:
     preemption.install(config.signals.checkpoint_on)
     world = init_distributed(config)
-    if config.debug.deterministic:
+    invariant = config.parallelism.world_size_invariant
+    if invariant:
+        invariant_setup.use_fixed_kernels()
+    elif config.debug.deterministic:
         device_lib.use_deterministic_algorithms()
     spec = get_train_spec(config)
     dump_folder = Path(config.job.dump_folder)
@@ -106,16 +119,18 @@ def train(config: JobConfig) -> int:
     # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
     seed_model_init(config.debug.seed)
     model = spec.build_model(config).to(world.device)
-    if world.world_size > 1:
+    if world.world_size > 1 and not invariant:  # the invariant mode replicates parameters
         spec.apply_fsdp(model, world.mesh)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config)
     lr_scheduler = build_lr_scheduler(optimizer, config)
 
+    # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
+    dataset = with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng)
+    layout = invariant_setup.plan_layout(config, world.rank, world.world_size, dataset) if invariant else None
     dataloader = ResumableDataLoader(
-        # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-        with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
+        dataset,
         batch_size=config.training.local_batch_size,
         dp_rank=world.dp_rank,
         dp_world=world.dp_world,
@@ -124,6 +139,7 @@ def train(config: JobConfig) -> int:
         prefetch_factor=config.data.prefetch_factor,
         snapshot_every_n_steps=config.data.snapshot_every_n_steps,
         on_num_workers_change=config.data.on_num_workers_change,
+        batch_sampler=invariant_setup.global_sampler(len(dataset), config, layout) if layout else None,
     )
     probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
                         dataloader=dataloader)
@@ -136,6 +152,7 @@ def train(config: JobConfig) -> int:
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,
             "train_state": train_state,
+            **({invariant_setup.RECORD_PART: invariant_setup.InvariantRecord(config)} if invariant else {}),
         },
         interval=config.checkpoint.interval,
         keep_latest_k=config.checkpoint.keep_latest_k,
@@ -158,7 +175,8 @@ def train(config: JobConfig) -> int:
     progress = ProgressReporter(
         log_freq=config.metrics.log_freq,
         last_step=last_step,
-        items_per_step=spec.items_per_sample(config) * config.training.local_batch_size * world.dp_world,
+        items_per_step=spec.items_per_sample(config) * (config.training.global_batch_size if invariant
+                                                         else config.training.local_batch_size * world.dp_world),
         unit=spec.throughput_unit,
         device=world.device,
         enabled=world.rank == 0,
@@ -167,10 +185,13 @@ def train(config: JobConfig) -> int:
     for step in range(train_state.step + 1, last_step + 1):
         fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
         fault_point("before_step", step, world.rank)
-        batch = _to_device(next(data_iter), world.device)
         optimizer.zero_grad(set_to_none=True)
-        loss = spec.loss_fn(model, batch, config)
-        loss.backward()
+        if layout is not None:
+            loss = invariant_step.forward_backward(model, params, lambda: _to_device(next(data_iter), world.device),
+                                                   spec.loss_fn, config, layout, step)
+        else:
+            loss = spec.loss_fn(model, _to_device(next(data_iter), world.device), config)
+            loss.backward()
         grad_norm = _clip_grad_norm(params, config.training.max_norm)
         lr = lr_scheduler.get_last_lr()[0]
         optimizer.step()
@@ -178,7 +199,8 @@ def train(config: JobConfig) -> int:
         train_state.step = step
 
         record: dict[str, Any] = {
-            "step": step, "loss": float(mean_over_ranks(loss)), "lr": lr, "grad_norm": grad_norm,
+            # The invariant step's loss is already the same tree sum on every rank.
+            "step": step, "loss": float(loss if layout else mean_over_ranks(loss)), "lr": lr, "grad_norm": grad_norm,
         }
         if spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
             with preserved_global_rng(world.device):

@@ -16,6 +16,7 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
+from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
 from torchtitan_rng.rng import derive_seed
@@ -57,12 +58,15 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                  num_workers: int = 0, prefetch_factor: int = 2, snapshot_every_n_steps: int = 1,
-                 shuffle: bool = True, on_num_workers_change: str = "error") -> None:
+                 shuffle: bool = True, on_num_workers_change: str = "error",
+                 batch_sampler: GlobalBatchSampler | None = None) -> None:
         self.dp_rank = dp_rank
         self.num_workers_configured = num_workers
         self.on_num_workers_change = on_num_workers_change
         self.uses_global_rng = uses_global_rng(dataset)
-        sampler = ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed, shuffle=shuffle)
+        # A sampler handed in (world-size-invariant training) replaces the per-rank one.
+        sampler = batch_sampler or ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed,
+                                                         shuffle=shuffle)
         super().__init__(
             dataset,
             batch_sampler=sampler,
