@@ -80,11 +80,8 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
     if path is None:
         return resume_policy.StreamPlan("fresh")
     invariant = config.parallelism.world_size_invariant
-    invariant_setup.check_checkpoint_mode(path, invariant)
     saved_world = resume_policy.saved_world_size(path)
-    # An invariant run's data position and random streams follow from the step: any process count goes on.
-    reseed = not invariant and resume_policy.world_size_changed(path, saved_world, world.world_size,
-                                                                ckpt.on_world_size_change)
+    reseed = invariant_setup.world_size_changed(path, saved_world, world.world_size, config)
     result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading,
                                               *(["dataloader"] if reseed or invariant else [])])
     last_step = config.training.steps

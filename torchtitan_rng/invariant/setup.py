@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan_rng import device as device_lib
+from torchtitan_rng.checkpoint import resume as resume_policy
 from torchtitan_rng.checkpoint.manager import CheckpointError, verify_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
@@ -79,6 +80,15 @@ def check_checkpoint_mode(path: Path, invariant: bool) -> None:
     if invariant and not saved:
         raise CheckpointError(f"checkpoint {path} was not saved by a world-size-invariant run, so no process count "
                               f"can continue it bit for bit; resume it without {_FLAG}, with its own process count")
+
+
+def world_size_changed(path: Path, saved: int | None, current: int, config: JobConfig) -> bool:
+    """The resume policy for another process count, knowing the mode: an invariant run goes on at any count
+    (False), an ordinary one as ``checkpoint.on_world_size_change`` says (True: reseed; or it raises)."""
+    invariant = config.parallelism.world_size_invariant
+    check_checkpoint_mode(path, invariant)
+    return not invariant and resume_policy.world_size_changed(path, saved, current,
+                                                             config.checkpoint.on_world_size_change)
 
 
 class InvariantRecord:

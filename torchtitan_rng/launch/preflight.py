@@ -14,6 +14,7 @@ from torchtitan_rng.checkpoint import resume as resume_policy
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.checkpoint.manager import CheckpointError, resolve_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
+from torchtitan_rng.invariant import setup as invariant_setup
 from torchtitan_rng.train_spec import get_train_spec
 
 
@@ -28,7 +29,7 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
         if path is not None:
             saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
             if world_size is not None:
-                resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
+                invariant_setup.world_size_changed(path, saved_world, world_size, config)
 
 
 def main(argv: list[str] | None = None) -> int:
