@@ -117,7 +117,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.e2e
 def test_uninterrupted_same_bits_at_1_2_4_processes(runs: Runs) -> None:
     for n in (2, 4):
-        result = compare(runs.dumps["uninterrupted_1"], runs[f"uninterrupted_{n}"])
+        result = compare(runs.dumps["uninterrupted_1"], runs.dumps[f"uninterrupted_{n}"])
         assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(runs.dumps["uninterrupted_4"])) == list(range(1, STEPS + 1))
 
@@ -125,7 +125,7 @@ def test_uninterrupted_same_bits_at_1_2_4_processes(runs: Runs) -> None:
 @pytest.mark.e2e
 def test_stopped_at_4_resumed_at_2_and_at_1_same_bits(runs: Runs) -> None:
     for n in (2, 1):
-        resumed = runs[f"resumed_4_to_{n}"]
+        resumed = runs.dumps[f"resumed_4_to_{n}"]
         assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
         result = compare(runs.dumps["uninterrupted_1"], resumed)
         assert result.returncode == 0, result.stdout
