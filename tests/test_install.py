@@ -72,9 +72,8 @@ def test_installed_package_from_another_directory(tmp_path: Path) -> None:
     proc = _run([str(python), "-c", "import torchtitan_rng; print(torchtitan_rng.__file__)"], user, env)
     assert "site-packages" in proc.stdout
 
-    # Two processes: the launcher and torchrun start the ranks from the installed module.
     verify = _run([str(bin_dir / "torchtitan-rng-verify"), "--config", "my.toml", "--steps", "4", "--stop-at", "2",
-                   "--nproc", "2", "--keep", "kept"], user, env)
+                   "--keep", "kept"], user, env)
     assert verify.returncode == 0 and "PASS: identical: 4 steps" in verify.stdout
 
     compare = [str(python), "-m", "torchtitan_rng.compare_losses"]
@@ -83,11 +82,12 @@ def test_installed_package_from_another_directory(tmp_path: Path) -> None:
     differs = _run([*compare, "kept/A", "kept/B"], user, env)
     assert differs.returncode == 1 and "first differing step 3" in differs.stdout
 
-    # One process, by the console script; a relative dump folder lands in the caller's directory.
-    train = _run([str(bin_dir / "torchtitan-rng-train"), "--job.config_file", "my.toml", "--training.steps", "2",
-                  "--job.dump_folder", "single"], user, env)
-    assert train.returncode == 0
-    assert len((user / "single" / "loss_log.jsonl").read_text().splitlines()) == 2
+    # Two processes as the README starts them without run_train.sh; the relative dump folder is the caller's.
+    two = _run([str(python), "-m", "torchtitan_rng.launch.launcher", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", "2", "--module", "torchtitan_rng.train", "--job.config_file", "my.toml",
+                "--training.steps", "2", "--job.dump_folder", "two"], user, env)
+    assert two.returncode == 0
+    assert len((user / "two" / "loss_log.jsonl").read_text().splitlines()) == 2
     for script in ("torchtitan-rng-train", "torchtitan-rng-compare", "torchtitan-rng-verify"):
         assert _run([str(bin_dir / script), "--help"], user, env).returncode == 0
 
