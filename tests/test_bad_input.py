@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from launch import assert_refused as _assert_refused
 from launch import compare, start, train, wait_for_log_lines
 from torchtitan_rng.launch.run_lock import lock_path
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
@@ -35,17 +36,6 @@ def _snapshot(folder: Path) -> dict[str, str]:
         str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
         for path in sorted(folder.rglob("*"))
     }
-
-
-def _assert_refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Exit 2, exactly one line on stderr starting with ``error:``, holding every fragment; no traceback."""
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_env
+from launch import REPO, assert_refused, run_env
 
 RUN_TRAIN = REPO / "run_train.sh"
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
@@ -20,19 +20,10 @@ def _run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> su
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=run_env(env))
 
 
-def _assert_one_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("ngpu", ["0", "-1", "1.5", "two"])
 def test_bad_ngpu(ngpu: str, tmp_path: Path) -> None:
     proc = _run(["bash", str(RUN_TRAIN)], tmp_path, {"NGPU": ngpu, "PYTHON": sys.executable})
-    _assert_one_line(proc, f"NGPU={ngpu} is not a process count", "whole number >= 1")
+    assert_refused(proc, f"NGPU={ngpu} is not a process count", "whole number >= 1")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -47,13 +38,13 @@ def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_python_without_torch_named_explicitly(bare_python: Path, tmp_path: Path) -> None:
     """PYTHON=... is the user's choice: refused in one line rather than replaced by a set-up."""
     proc = _run(["bash", str(RUN_TRAIN)], tmp_path, {"PYTHON": str(bare_python)})
-    _assert_one_line(proc, f"PYTHON={bare_python} cannot import torch", "unset PYTHON")
+    assert_refused(proc, f"PYTHON={bare_python} cannot import torch", "unset PYTHON")
     assert "setting up" not in proc.stdout
     assert list(tmp_path.iterdir()) == []
 
 
 def test_python_that_is_not_a_program(tmp_path: Path) -> None:
-    _assert_one_line(_run(["bash", str(RUN_TRAIN)], tmp_path, {"PYTHON": str(tmp_path / "nope")}),
+    assert_refused(_run(["bash", str(RUN_TRAIN)], tmp_path, {"PYTHON": str(tmp_path / "nope")}),
                      "is not a program")
 
 
@@ -72,12 +63,12 @@ TRAINER_CASES = {
 @pytest.mark.parametrize("case", TRAINER_CASES)
 def test_trainer_bad_argument(case: str) -> None:
     args, fragments = TRAINER_CASES[case]
-    _assert_one_line(_run([*TRAINER, *args], REPO), *fragments)
+    assert_refused(_run([*TRAINER, *args], REPO), *fragments)
 
 
 def test_config_file_directory_through_run_train_sh(tmp_path: Path) -> None:
     proc = _run(["bash", str(RUN_TRAIN)], tmp_path, {"PYTHON": sys.executable, "CONFIG_FILE": str(tmp_path)})
-    _assert_one_line(proc, f"config file '{tmp_path}' is a directory")
+    assert_refused(proc, f"config file '{tmp_path}' is a directory")
     assert list(tmp_path.iterdir()) == []
 
 
