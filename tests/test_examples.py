@@ -82,7 +82,7 @@ def test_ddp_example_control_differs(ddp_runs: tuple[Path, Path], tmp_path: Path
     assert_first_difference(uninterrupted, tmp_path, DDP_STOP + 1)
 
 
-# --- Example 2: the restore-order experiment of seed 001 --------------------------------------------------
+# --- Example 2: the restore-order experiment (docs/design.md, "The restore point") ------------------------
 
 ORDER_STEPS, ORDER_STOP = 6, 3
 

@@ -41,7 +41,7 @@ def _own_state_comes_back(rank: int, folder: Path) -> None:
 
 
 def _shared_key_loses_rank_state(rank: int, folder: Path) -> None:
-    """Control (DESIGN trap 1): the same save under one shared key hands rank 1 rank 0's state."""
+    """Control (docs/design.md, "Per-rank values need rank-unique keys"): the same save under one shared key hands rank 1 rank 0's state."""
     _init(rank, folder / "store_shared")
     torch.manual_seed(1000 + rank)
     own = torch.get_rng_state()

@@ -200,7 +200,7 @@ def train(config: JobConfig) -> int:
     checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
     if loss_log is not None:
         loss_log.close()
-    del data_iter  # shuts its workers down before the process group goes (trap 10)
+    del data_iter  # shuts its workers down before the process group goes (docs/design.md, "Teardown order")
     teardown()
     if stopped_at is not None:
         _log(world, f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "

@@ -18,7 +18,7 @@ from torchtitan_rng.config import ConfigError
 from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
-from torchtitan_rng.rng import derive_seed
+from torchtitan_rng.rng import stream_generator
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 
@@ -68,7 +68,7 @@ class ResumableDataLoader(StatefulDataLoader):
             batch_sampler=sampler,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
+            generator=stream_generator("dataloader", seed, dp_rank),
             snapshot_every_n_steps=snapshot_every_n_steps,
             # A cluster signals every process of a job; the rank decides when to stop, not its workers.
             worker_init_fn=ignore_checkpoint_signals,

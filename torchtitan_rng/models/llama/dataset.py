@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
+from torchtitan_rng.rng import sample_purpose
 
 _STDLIB_MODULES = ("textwrap", "heapq", "bisect", "fractions", "random", "string", "difflib")
 
@@ -37,7 +38,7 @@ class ByteWindowDataset(SampleRandomDataset):
     """
 
     def __init__(self, corpus: bytes, seq_len: int, seed: int, num_samples: int = 0) -> None:
-        super().__init__(seed, "llm-window")
+        super().__init__(seed, sample_purpose("llm-window"))
         self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
         self.seq_len = seq_len
         self.stride = seq_len + 1
