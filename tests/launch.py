@@ -11,6 +11,8 @@ from pathlib import Path
 from torchtitan_rng.launch.runs import run_training, training_command
 
 REPO = Path(__file__).resolve().parents[1]
+# Checkpoints every 2 steps: the bad-input tests' runs save at step 2.
+STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2")
 
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -6,7 +6,6 @@ import sys
 import warnings
 from typing import Any, Iterator
 
-import torch
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import (
