@@ -19,6 +19,8 @@ from launch import compare, train
 from torchtitan_rng.checkpoint.manager import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 
+pytestmark = pytest.mark.e2e
+
 COMMON = ("--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2")
 
 # (fault, checkpoint the run resumes from or None, complete checkpoints after the kill, other folders left)

@@ -17,6 +17,8 @@ from torchtitan_rng.checkpoint.manager import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
 
+pytestmark = pytest.mark.e2e
+
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "100")  # only preemption and last-step saves
 
 

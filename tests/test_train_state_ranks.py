@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -11,6 +12,8 @@ import torch.multiprocessing as mp
 
 from torchtitan_rng.checkpoint.manager import SafeLoadPlanner
 from torchtitan_rng.checkpoint.train_state import TrainState
+
+pytestmark = pytest.mark.e2e
 
 WORLD = 2
 
