@@ -137,3 +137,14 @@ def test_trainer_stream_resumes_exactly(data: dict[str, Path], tmp_path: Path, k
             "1 x 1: each share's file position and shuffle buffer belong to that split; resume with "
             "--data.num_workers 2 on 1 process(es)"
         ]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bad_line_met_while_streaming_is_one_line(tmp_path: Path, num_workers: int) -> None:
+    path = tmp_path / "late.jsonl"
+    path.write_text("".join(f'{{"text": "document {i} {"x" * 40}"}}\n' for i in range(5)) + '{"txt": "oops"}\n')
+    batch_iter = iter(make_loader(path, num_workers))
+    with pytest.raises(ConfigError) as err:
+        for _ in range(100):
+            next(batch_iter)
+    assert str(err.value) == f'config training.dataset_path: {path} line 6: no "text" field holding a string'
