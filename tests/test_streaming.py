@@ -13,7 +13,9 @@ from launch import compare, stop_and_resume, train
 from token_data import write_jsonl, write_token_file
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError, parse_args
-from torchtitan_rng.data.dataloader import dp_rank_key
+from torchtitan_rng.checkpoint.manager import CheckpointError
+from torchtitan_rng.checkpoint.resume import reposition_sampler
+from torchtitan_rng.data.dataloader import ResumableDataLoader, dp_rank_key
 from torchtitan_rng.data.streaming import StreamingDataLoader
 from torchtitan_rng.models.llama.dataset import build_text_dataset
 
@@ -148,3 +150,15 @@ def test_bad_line_met_while_streaming_is_one_line(tmp_path: Path, num_workers: i
         for _ in range(100):
             next(batch_iter)
     assert str(err.value) == f'config training.dataset_path: {path} line 6: no "text" field holding a string'
+
+
+def test_stream_and_map_style_checkpoints_do_not_mix(data: dict[str, Path]) -> None:
+    config = parse_args(["--training.dataset_path", str(data["bin"]), "--training.seq_len", str(SEQ_LEN)])
+    map_loader = ResumableDataLoader(build_text_dataset(config), batch_size=BATCH, dp_rank=0, dp_world=1, seed=0)
+    with pytest.raises(ConfigError, match="came from the map-style dataset and this run streams"):
+        make_loader(data["bin"], 0).load_state_dict(map_loader.state_dict())
+    with pytest.raises(ConfigError, match="came from a streaming source .* and this run uses the map-style"):
+        map_loader.load_state_dict(make_loader(data["bin"], 0).state_dict())
+    # Resuming on another process count with checkpoint.on_world_size_change = reseed: a stream cannot be re-split.
+    with pytest.raises(CheckpointError, match="cannot be re-split over another process count: resume with 2"):
+        reposition_sampler(make_loader(data["bin"], 0).batch_sampler, 4, 2)
