@@ -40,7 +40,7 @@ class Stream:
 
     purpose: str
     root: str  # "run": the run's seed; "frozen": FROZEN_SEED
-    scope: str  # "shared", "per rank" or "per sample"
+    scope: str  # "shared", "per rank", "per stream" (a rank's or worker's share of a stream) or "per sample"
     keys: tuple[str, ...]  # what follows the purpose in derive_seed, in order
     feeds: str
 
@@ -59,6 +59,8 @@ STREAMS: dict[str, Stream] = {
         Stream("sampler", "run", "shared", ("epoch",), "the epoch's permutation of the samples (each rank takes "
                "its share)"),
         Stream("llm-window", "run", "per sample", ("sample key",), "the Llama dataset's random window offset"),
+        Stream("stream-shuffle", "run", "per stream", ("stream", "epoch"), "the streaming source's draws from its "
+               "shuffle buffer (one stream per rank and worker)"),
         Stream("flux-augment", "run", "per sample", ("sample key",), "the Flux dataset's crop, flip and caption "
                "template"),
         Stream("flux-validation", "run", "shared", (), "the Flux validation batch's noise, timesteps and "

@@ -110,8 +110,11 @@ def start_streams(plan: StreamPlan, train_state: TrainState, seed: int, rank: in
         train_state.restore_rng(include_device=False)
 
 
-def reposition_sampler(sampler: ResumableBatchSampler, step: int, saved_world: int) -> None:
+def reposition_sampler(sampler: object, step: int, saved_world: int) -> None:
     """Keep the data's global position in the epoch when the process count changed (see above)."""
+    if not isinstance(sampler, ResumableBatchSampler):  # a streaming source's split is part of its state
+        raise CheckpointError(f"a streaming source (data.streaming) cannot be re-split over another process "
+                              f"count: resume with {saved_world} processes")
     per_rank_before = sampler.num_samples // saved_world
     epoch, position = divmod(step * sampler.batch_size, per_rank_before)
     per_rank_now = sampler.num_samples // sampler.dp_world

@@ -132,6 +132,9 @@ class ResumableDataLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batches_since_load = 0
         state = decode_state(state_dict[dp_rank_key(self.dp_rank)])
+        if state.get("stream"):
+            raise ConfigError("the checkpoint's data came from a streaming source (data.streaming) and this run "
+                              "uses the map-style dataset: resume with --data.streaming, or start a new run")
         saved_workers = int(state["num_workers"])
         if state["loader"] is None:  # saved before its first batch: a fresh loader is that state
             return
