@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, assert_refused, run_env
+from checks import assert_refused
+from launch import REPO, run_env
 
 RUN_TRAIN = REPO / "run_train.sh"
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
