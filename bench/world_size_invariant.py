@@ -25,7 +25,8 @@ from bench.common import DEBUG_CONFIG, REPO, median, parser, spread, table
 _PROGRESS = re.compile(r"\s([\d.]+) ms/step\s+(?:peak rss|mem) ([\d.]+) GiB")
 
 
-def step_times(nproc: int, invariant: bool, flavor: str, steps: int, log_freq: int, dump: str) -> tuple[list[float], float]:
+def step_times(nproc: int, invariant: bool, flavor: str, steps: int, log_freq: int,
+               dump: str) -> tuple[list[float], float]:
     """(ms per step of each progress line but the first, which holds start-up; the last line's memory GiB)."""
     local = 8
     args = ["--job.dump_folder", dump, "--model.flavor", flavor, "--training.steps", str(steps),

@@ -82,6 +82,7 @@ def test_constraints_are_one_line_config_errors() -> None:
     assert "divides the 2 micro-batches" in refusal(4, "--training.global_batch_size", "16")
     assert "leave parallelism.data_parallel_shard_degree at -1" in refusal(
         2, "--training.global_batch_size", "16", "--parallelism.data_parallel_shard_degree", "2")
+    assert "drop --data.streaming" in refusal(1, "--training.global_batch_size", "16", "--data.streaming")
     assert plan_layout(parse_args(["--training.global_batch_size", "32"]), 3, 4, dataset).first_slot == 3
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import stream_generator
 
 
 class GlobalBatchSampler:
@@ -44,7 +44,7 @@ class GlobalBatchSampler:
         epoch, offset = divmod(position, self.num_samples)
         if epoch != self._epoch:
             if self.shuffle:
-                order = torch.randperm(self.num_samples, generator=derived_generator(self.seed, "sampler", epoch))
+                order = torch.randperm(self.num_samples, generator=stream_generator("sampler", self.seed, epoch))
             else:
                 order = torch.arange(self.num_samples)
             self._epoch, self._order = epoch, order.tolist()

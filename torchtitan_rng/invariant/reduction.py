@@ -33,7 +33,8 @@ def tree_sum(lo: int, hi: int, leaf: Callable[[int], torch.Tensor]) -> torch.Ten
 
 def butterfly_sum(partial: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Add ``partial`` (this rank's block) across ``world`` ranks (a power of two) in the canonical tree, in
-    place; every rank returns the same bits. Ranks are those of the default process group. Point-to-point exchanges, ``log2(world)`` of them."""
+    place; every rank returns the same bits. ``log2(world)`` point-to-point exchanges between ranks of the
+    default process group."""
     received = torch.empty_like(partial) if world > 1 else partial
     distance = 1
     while distance < world:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from torchtitan_rng import device as device_lib
 from torchtitan_rng.checkpoint import resume as resume_policy
@@ -45,6 +45,9 @@ def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> L
     if config.parallelism.data_parallel_shard_degree != -1:
         raise ConfigError(f"{_FLAG} replicates the model instead of sharding it; leave "
                           "parallelism.data_parallel_shard_degree at -1")
+    if isinstance(dataset, IterableDataset) or config.data.streaming:
+        raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
+                          "index; drop --data.streaming")
     if uses_global_rng(dataset):
         raise ConfigError(f"{_FLAG} needs a dataset that derives its randomness from sample keys (form 1, "
                           f"SampleRandomDataset); {type(dataset).__name__} may draw from the global RNGs")
