@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from checks import assert_refused
 from launch import compare, train
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
@@ -165,8 +166,15 @@ def test_checkpoint_mode_mismatch_refused_in_one_line(runs: Runs, tmp_path: Path
     stopped = runs.dumps["stopped_4"] / "checkpoint"
     common = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(stopped), "--training.steps", "5"]
     without = train(tmp_path / "without", *common, config=runs.config, check=False)
-    assert without.returncode == 2 and "resume it with --parallelism.world_size_invariant" in without.stderr
+    assert_refused(without, "resume it with --parallelism.world_size_invariant")
     other_batch = train(tmp_path / "other", *INVARIANT, *common, "--training.global_batch_size", "16",
                         config=runs.config, check=False)
-    assert other_batch.returncode == 2 and "--training.global_batch_size 32" in other_batch.stderr
-    assert "Traceback" not in without.stderr + other_batch.stderr
+    assert_refused(other_batch, "--training.global_batch_size 32")
+
+
+@pytest.mark.e2e
+def test_launcher_refuses_a_process_count_that_does_not_split_the_step(tmp_path: Path) -> None:
+    """Checked before torchrun starts any process: 2 processes cannot split 3 micro-batches."""
+    proc = train(tmp_path, *INVARIANT, "--training.global_batch_size", "24", nproc=2, check=False)
+    assert_refused(proc, "power-of-two number of processes that divides the 3 micro-batches")
+    assert not (tmp_path / "loss_log.jsonl").exists()

@@ -28,8 +28,9 @@ RECORD_PART = "world_size_invariant"
 _FLAG = "--parallelism.world_size_invariant"
 
 
-def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> Layout:
-    """This rank's share of each step; raises ConfigError when the run cannot be world-size-invariant."""
+def check_batch_layout(config: JobConfig, world: int) -> int:
+    """The micro-batches per step; raises ConfigError when ``world`` processes cannot split them invariantly
+    (checked by the launcher too, before any process starts)."""
     training = config.training
     if training.global_batch_size < 1:
         raise ConfigError(f"{_FLAG} needs training.global_batch_size (samples per optimizer step, the same at "
@@ -45,9 +46,18 @@ def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> L
     if config.parallelism.data_parallel_shard_degree != -1:
         raise ConfigError(f"{_FLAG} replicates the model instead of sharding it; leave "
                           "parallelism.data_parallel_shard_degree at -1")
-    if isinstance(dataset, IterableDataset) or config.data.streaming:
+    if config.data.streaming:
         raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
                           "index; drop --data.streaming")
+    return micro_batches
+
+
+def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> Layout:
+    """This rank's share of each step; raises ConfigError when the run cannot be world-size-invariant."""
+    micro_batches = check_batch_layout(config, world)
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset; {type(dataset).__name__} is "
+                          "an IterableDataset")
     if uses_global_rng(dataset):
         raise ConfigError(f"{_FLAG} needs a dataset that derives its randomness from sample keys (form 1, "
                           f"SampleRandomDataset); {type(dataset).__name__} may draw from the global RNGs")

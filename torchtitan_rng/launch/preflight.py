@@ -23,6 +23,8 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
     checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
     get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
+    if config.parallelism.world_size_invariant and world_size is not None:
+        invariant_setup.check_batch_layout(config, world_size)
     ckpt = config.checkpoint
     if ckpt.enable:
         path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
