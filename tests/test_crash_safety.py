@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch import compare, train
-from torchtitan_rng.checkpoint.manager import complete_steps
+from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
 
