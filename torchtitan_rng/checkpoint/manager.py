@@ -105,6 +105,14 @@ class CheckpointManager:
 
     def _save(self, step: int, in_background: bool) -> Path:
         self.wait()
+        try:
+            return self._write(step, in_background)
+        except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
+            cause = _first_failure(err) if isinstance(err, CheckpointException) else err
+            raise CheckpointError(f"saving step {step} into {self.folder} failed: {type(cause).__name__}: "
+                                  f"{first_line(cause)}") from None
+
+    def _write(self, step: int, in_background: bool) -> Path:
         started = time.perf_counter()
         partial = layout.partial_dir(self.folder, step)
         if self.rank == 0:
