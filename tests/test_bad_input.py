@@ -25,8 +25,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from launch import compare, start, train, wait_for_log_lines
 from torchtitan_rng.launch.run_lock import lock_path
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
 
 STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2")
+RANK_0 = rank_key(0)  # rank 0's own value in the train state
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -175,15 +177,15 @@ def _rewrite_checkpoint(ckpt: Path, tmp_path: Path, edit: Callable[[dict[str, An
 
 
 def _edit_rank_blob(state: dict[str, Any], **changes: Any) -> None:
-    blob = decode_state(state["train_state"]["rank_0"])
+    blob = decode_state(state[TRAIN_STATE][RANK_0])
     blob.update(changes)
-    state["train_state"]["rank_0"] = encode_state(blob)
+    state[TRAIN_STATE][RANK_0] = encode_state(blob)
 
 
 def test_other_device_type(user_dump: Path, tmp_path: Path) -> None:
     """A checkpoint whose per-rank state says CUDA (16-byte Philox state), resumed on this CPU run."""
     def to_cuda(state: dict[str, Any]) -> None:
-        rng = decode_state(state["train_state"]["rank_0"])["rng"]
+        rng = decode_state(state[TRAIN_STATE][RANK_0])["rng"]
         rng.update(device_type="cuda", device=torch.zeros(16, dtype=torch.uint8))
         _edit_rank_blob(state, device_type="cuda", rng=rng)
 
@@ -197,7 +199,7 @@ def test_other_device_type(user_dump: Path, tmp_path: Path) -> None:
 
 
 def test_checkpoint_without_rng_state(user_dump: Path, tmp_path: Path) -> None:
-    _rewrite_checkpoint(user_dump / "checkpoint" / "step-2", tmp_path, lambda s: s["train_state"].pop("rank_0"))
+    _rewrite_checkpoint(user_dump / "checkpoint" / "step-2", tmp_path, lambda s: s[TRAIN_STATE].pop(RANK_0))
     before = _snapshot(user_dump)
     _assert_refused(train(user_dump, "--training.steps", "3", *STEP2, "--checkpoint.strict_rng", check=False),
                     "holds no RNG state", "strict_rng")
@@ -223,16 +225,16 @@ def test_pickle_payload_in_a_non_tensor_item(user_dump: Path, tmp_path: Path) ->
     ckpt = user_dump / "checkpoint" / "step-2"
 
     def plant(state: dict[str, Any]) -> None:
-        state["train_state"]["rank_0"] = _CreatesFile(marker)
+        state[TRAIN_STATE][RANK_0] = _CreatesFile(marker)
 
     _rewrite_checkpoint(ckpt, tmp_path, plant)
     _assert_refused(train(user_dump, "--training.steps", "3", *STEP2, check=False),
-                    "refusing to load checkpoint item 'train_state.rank_0'", "not plain data")
+                    f"refusing to load checkpoint item '{TRAIN_STATE}.{RANK_0}'", "not plain data")
     assert not marker.exists()
     # Control: the payload is real; DCP's own load planner runs it.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"train_state": {"rank_0": b""}}, checkpoint_id=str(ckpt))
+        dcp.load({TRAIN_STATE: {RANK_0: b""}}, checkpoint_id=str(ckpt))
     assert marker.exists()
 
 

@@ -4,7 +4,7 @@ The names below are the public API (reference: docs/api.md). ``import torchtitan
 no side effects: each name imports its module (and torch) the first time it is used.
 
 Exact resume in your own loop: :class:`ExactResume`, :func:`build_dataloader`, :class:`RestoreOrderError`.
-The pieces they bundle: :class:`TrainState`, :class:`CheckpointManager` and friends,
+The pieces they bundle: :class:`TrainState`, :class:`CheckpointManager`, :func:`checkpoint_parts` and friends,
 :class:`ResumableDataLoader`, per-sample generators (:class:`SampleRandomDataset`), the stream helpers of
 ``rng``. Your own model and dataset in
 ``run_train.sh``: :class:`TrainSpec` and :func:`register_train_spec`, imported via ``job.custom_module``.
