@@ -48,11 +48,13 @@ def _in_group(rank: int, world: int, folder: Path, action: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e  # starts processes
 def test_two_processes_refuse_a_one_process_checkpoint(tmp_path: Path) -> None:
     _train(_loop(tmp_path / "checkpoint"))
     mp.spawn(_in_group, args=(2, tmp_path, "refuse"), nprocs=2, join=True)
 
 
+@pytest.mark.e2e  # starts processes
 def test_one_process_refuses_a_two_process_checkpoint(tmp_path: Path) -> None:
     mp.spawn(_in_group, args=(2, tmp_path, "save"), nprocs=2, join=True)
     mp.spawn(_in_group, args=(2, tmp_path, "load"), nprocs=2, join=True)  # control: 2 -> 2 resumes
