@@ -87,8 +87,8 @@ def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
 
 
 def teardown(*, clean: bool = True) -> None:
-    """Destroy the group (close dataloader iterators first: their workers must not outlive it). A clean
-    end waits for every rank first; after a failure another rank may be gone, so it does not wait."""
+    """Destroy the group; close dataloader iterators first (docs/design.md, "Teardown order"). A clean end
+    waits for every rank first; after a failure another rank may be gone, so it does not wait."""
     if dist.is_initialized():
         if clean:
             dist.barrier()

@@ -26,7 +26,8 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.config import ConfigError, JobConfig, as_flags
-from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
+from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
@@ -97,19 +98,22 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
 
-        self.dataloader = ResumableDataLoader(
+        dataset = spec.build_dataset(config)
+        loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
+                       "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
+                       "prefetch_factor": config.data.prefetch_factor,
+                       "snapshot_every_n_steps": config.data.snapshot_every_n_steps}
+        self.dataloader: ResumableDataLoader | StreamingDataLoader
+        if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
+            self.dataloader = StreamingDataLoader(dataset, **loader_args)
+        elif config.data.streaming:
+            raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
+        else:
             # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-            with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
-            batch_size=config.training.local_batch_size,
-            dp_rank=world.dp_rank,
-            dp_world=world.dp_world,
-            seed=config.debug.seed,
-            num_workers=config.data.num_workers,
-            prefetch_factor=config.data.prefetch_factor,
-            snapshot_every_n_steps=config.data.snapshot_every_n_steps,
-            on_num_workers_change=config.data.on_num_workers_change,
-        )
-        self._closing.callback(self.dataloader.close)  # its workers go before the process group does
+            self.dataloader = ResumableDataLoader(with_worker_rng(dataset, config.data.capture_worker_rng),
+                                                  **loader_args, on_num_workers_change=config.data.on_num_workers_change)
+        # Its workers go before the process group does (docs/design.md, "Teardown order").
+        self._closing.callback(lambda: shutdown_workers(self.dataloader))
         self.probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
                                  dataloader=self.dataloader)
         # The step lives here: the checkpointer saves it, the loop advances it.

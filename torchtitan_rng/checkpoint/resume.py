@@ -33,7 +33,7 @@ from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoi
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.sampler import ResumableBatchSampler
-from torchtitan_rng.rng import derive_seed, seed_training_streams
+from torchtitan_rng.rng import seed_training_streams, stream_seed
 
 
 def world_size_changed(info: CheckpointInfo, current: int, on_change: str | None) -> bool:
@@ -149,13 +149,16 @@ def start_streams(plan: StreamPlan, train_state: TrainState, seed: int, rank: in
     if plan.mode == "fresh":
         seed_training_streams(seed, rank)
         return
-    seed_training_streams(derive_seed(seed, "reseed", plan.step), rank)
+    seed_training_streams(stream_seed("reseed", seed, plan.step), rank)
     if plan.mode == "host_only":
         train_state.restore_rng(include_device=False)
 
 
-def reposition_sampler(sampler: ResumableBatchSampler, step: int, saved_world: int) -> None:
+def reposition_sampler(sampler: object, step: int, saved_world: int) -> None:
     """Keep the data's global position in the epoch when the process count changed (see above)."""
+    if not isinstance(sampler, ResumableBatchSampler):  # a streaming source's split is part of its state
+        raise CheckpointError(f"a streaming source (data.streaming) cannot be re-split over another process "
+                              f"count: resume with {saved_world} processes")
     per_rank_before = sampler.num_samples // saved_world
     epoch, position = divmod(step * sampler.batch_size, per_rank_before)
     per_rank_now = sampler.num_samples // sampler.dp_world
