@@ -64,8 +64,8 @@ class Training:
     # Flux: "uniform" or "logit_normal" timesteps.
     timestep_sampling: str = "logit_normal"
     image_size: int = 16
-    # Samples per optimizer step over all data-parallel ranks; -1: local_batch_size x data-parallel size.
-    # Gradient accumulation runs global / (local x dp) micro-batches per step.
+    # Samples per optimizer step over all data-parallel ranks, in micro-batches of local_batch_size (used by
+    # parallelism.world_size_invariant); -1: local_batch_size x data-parallel size.
     global_batch_size: int = -1
 
 
