@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
 from torchtitan_rng.checkpoint import resume as resume_policy
-from torchtitan_rng.launch import preemption, run_lock
+from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.launch import preemption, preflight, run_lock
 from torchtitan_rng.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -23,6 +24,7 @@ from torchtitan_rng.checkpoint.manager import (
     OptimizerState,
     refuse_overwrite,
     resolve_checkpoint,
+    verify_integrity,
 )
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.dataloader import ResumableDataLoader
@@ -55,16 +57,32 @@ def _log(world: World, message: str) -> None:
         print(message, flush=True)
 
 
-def _take_run_lock(world: World, dump_folder: Path) -> None:
-    """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
-    refused: run_lock.RunLockError | None = None
+def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
+    """Run ``check`` on rank 0 only; when it refuses, every rank raises (rank 0 with its own message)."""
+    refused: Exception | None = None
     if world.rank == 0:
         try:
-            run_lock.acquire(dump_folder)  # released at exit
-        except run_lock.RunLockError as err:
+            check()
+        except (run_lock.RunLockError, CheckpointError, ConfigError) as err:
             refused = err
     if all_ranks_agree_any(refused is not None, world.device):
-        raise refused or run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)")
+        raise refused or elsewhere
+
+
+def _take_run_lock(world: World, dump_folder: Path) -> None:
+    """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
+    run_lock.join(dump_folder)  # under the launcher's lock: this rank's pid keeps it held while it lives
+    _on_rank_zero(world, lambda: run_lock.acquire(dump_folder),  # released at exit
+                  run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)"))
+
+
+def _verify_files(world: World, path: Path) -> None:
+    """Every file of the checkpoint as written at save; read once, by rank 0."""
+    def verify() -> None:
+        if not verify_integrity(path):
+            _log(world, f"WARNING: checkpoint {path} has no checksums (saved by an older version): damage to its "
+                        "files cannot be detected")
+    _on_rank_zero(world, verify, CheckpointError(f"checkpoint {path} is damaged (rank 0 names the file)"))
 
 
 def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState,
@@ -78,7 +96,11 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
     path = resolve_checkpoint(checkpointer.folder, ckpt.load_step, ckpt.initial_load_path)
     if path is None:
         return resume_policy.StreamPlan("fresh")
-    saved_world = resume_policy.saved_world_size(path)
+    saved_world = resume_policy.saved_world_size(path)  # reads .metadata, checks every shard's size
+    _verify_files(world, path)
+    for line in run_record.check_resume(path, run_record.read_record(path), checkpointer.run_record,
+                                        ckpt.allow_config_change):
+        _log(world, line)
     reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
     result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
     last_step = config.training.steps
@@ -102,6 +124,8 @@ def train(config: JobConfig) -> int:
     spec = get_train_spec(config)
     dump_folder = Path(config.job.dump_folder)
     _take_run_lock(world, dump_folder)
+    _on_rank_zero(world, lambda: preflight.refuse_restart_over_history(config),
+                  ConfigError("the dump folder already holds a run (rank 0 says more)"))
 
     # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
     seed_model_init(config.debug.seed)
@@ -113,9 +137,10 @@ def train(config: JobConfig) -> int:
     optimizer = build_optimizer(params, config)
     lr_scheduler = build_lr_scheduler(optimizer, config)
 
+    dataset = spec.build_dataset(config)
     dataloader = ResumableDataLoader(
         # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-        with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
+        with_worker_rng(dataset, config.data.capture_worker_rng),
         batch_size=config.training.local_batch_size,
         dp_rank=world.dp_rank,
         dp_world=world.dp_world,
@@ -142,6 +167,7 @@ def train(config: JobConfig) -> int:
         rank=world.rank,
         async_mode=config.checkpoint.async_mode,
     )
+    checkpointer.run_record = run_record.build_record(config, dataset)
     stream_plan = _resume(config, world, checkpointer, train_state, dataloader)
     last_step = config.training.steps
     if train_state.step >= last_step:
@@ -204,8 +230,7 @@ def train(config: JobConfig) -> int:
     teardown()
     if stopped_at is not None:
         _log(world, f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "
-                    f"checkpoint {checkpointer.folder / f'step-{stopped_at}'} saved; run the same command again "
-                    "(with --checkpoint.enable) to resume")
+                    f"checkpoint {checkpointer.folder / f'step-{stopped_at}'} saved; {preflight.how_to_resume(config)}")
     return 0
 
 
@@ -213,7 +238,7 @@ def run(config: JobConfig) -> int:
     """Train with a parsed config; bad input and unusable checkpoints are one line and exit code 2."""
     try:
         code = train(config)
-    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
+    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     if code == 0:

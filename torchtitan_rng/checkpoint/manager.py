@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_rng.distributed import barrier
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.fault_injection import fault_point, save_planner
 
@@ -141,6 +142,16 @@ def verify_checkpoint(path: Path) -> Metadata:
                                   f"({shard.stat().st_size} bytes, {size} expected); pick another with "
                                   "--checkpoint.load_step")
     return metadata
+
+
+def verify_integrity(path: Path) -> bool:
+    """Every file of the checkpoint as written (False: it has no checksums, saved by an older version);
+    CheckpointError naming a damaged file. Reads every byte: call it once per resume, on one rank."""
+    try:
+        return integrity.verify_checksums(path)
+    except integrity.DamagedFile as err:
+        raise CheckpointError(f"checkpoint {path} is damaged: {err}; pick another with --checkpoint.load_step "
+                              "(or move it away)") from None
 
 
 def _first_line(err: BaseException) -> str:
@@ -293,6 +304,8 @@ class CheckpointManager:
         self._pending: tuple[int, Future] | None = None  # the background save: (step, its future)
         self._background_group: Any = None
         self._stager: HostCopyStager | None = None
+        # The run's record (run_record.py), written into every checkpoint when set.
+        self.run_record: dict[str, Any] | None = None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
@@ -355,7 +368,11 @@ class CheckpointManager:
 
     def _complete(self, step: int) -> None:
         final = step_dir(self.folder, step)
-        os.replace(final.with_name(final.name + PARTIAL_SUFFIX), final)
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        if self.run_record is not None:
+            run_record.write_record(partial, self.run_record)
+        integrity.write_checksums(partial)  # last: it covers every file above
+        os.replace(partial, final)
         fault_point("save_renamed", step, self.rank)
         self._prune(step)
 

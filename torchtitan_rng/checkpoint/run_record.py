@@ -48,6 +48,7 @@ QUIET = (
 )
 # Compared through the data fingerprint: the same file under another path changes nothing.
 _DATA_KEY = "training.dataset_path"
+_HORIZON = "lr_scheduler.total_steps"
 
 
 class ConfigDriftError(ValueError):
@@ -88,7 +89,7 @@ def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
 def resolved(config: JobConfig) -> dict[str, Any]:
     """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
     values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
-    values["lr_scheduler.total_steps"] = lr_total_steps(config)
+    values[_HORIZON] = lr_total_steps(config)
     return values
 
 
@@ -132,6 +133,12 @@ class Change:
     key: str
     saved: Any
     new: Any
+    # What changed, when "KEY = NEW but the checkpoint was trained with SAVED" does not say it.
+    what: str = ""
+
+    def describe(self, checkpoint: Path) -> str:
+        return (self.what.format(checkpoint=checkpoint) if self.what else
+                f"{self.key} = {self.new!r} but checkpoint {checkpoint} was trained with {self.saved!r}")
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
@@ -140,6 +147,13 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     changes = [Change(key, saved_config.get(key, "(absent)"), config.get(key, "(absent)"))
                for key in sorted(set(saved_config) | set(config))
                if key != _DATA_KEY and not is_quiet(key) and saved_config.get(key) != config.get(key)]
+    steps, horizon = config.get("training.steps", 0), config.get(_HORIZON, 0)
+    ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(_HORIZON, 0)
+    if horizon == saved_config.get(_HORIZON) and steps > horizon and not ran_past_before:
+        changes.append(Change(_HORIZON, horizon, horizon, what=(
+            f"training.steps = {steps} runs past lr_scheduler.total_steps = {horizon}, the horizon checkpoint "
+            f"{{checkpoint}} was trained with (steps {horizon + 1}-{steps} would train at the schedule's final "
+            "learning rate)")))
     if saved.get("data") != current["data"]:
         changes.append(Change(_DATA_KEY, _describe_data(saved_config.get(_DATA_KEY), saved.get("data")),
                               _describe_data(config.get(_DATA_KEY), current["data"])))
@@ -164,13 +178,12 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
     refused: list[str] = []
     for change in differences(saved, current):
         if change.key in allowed:
-            warnings.append(f"WARNING: {change.key} changed since checkpoint {checkpoint}: saved {change.saved!r}, "
-                            f"now {change.new!r} (allowed by checkpoint.allow_config_change); this run is no longer "
-                            "the one that was stopped")
+            warnings.append(f"WARNING: {change.describe(checkpoint)}; going on as checkpoint.allow_config_change "
+                            f"allows {change.key}: this run is no longer the one that was stopped")
         else:
-            refused.append(f"{change.key} = {change.new!r} but checkpoint {checkpoint} was trained with "
-                           f"{change.saved!r}: resume with the saved value, or pass --checkpoint.allow_config_change "
-                           f"{change.key} to continue with the new one (the run is then no longer exact)")
+            refused.append(f"{change.describe(checkpoint)}: resume with the saved value, or pass "
+                           f"--checkpoint.allow_config_change {change.key} to continue with the new one (the run is "
+                           "then no longer exact)")
     if refused:
         raise ConfigDriftError("\nerror: ".join(refused))
     saved_version = (saved.get("versions") or {}).get("torchtitan_rng")

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from torchtitan_rng.checkpoint import resume as resume_policy
 from torchtitan_rng.launch import preemption
-from torchtitan_rng.checkpoint.manager import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint.manager import CheckpointError, complete_steps, resolve_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
+from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.train_spec import get_train_spec
 
 
@@ -29,6 +30,32 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
             saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
             if world_size is not None:
                 resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
+
+
+def refuse_restart_over_history(config: JobConfig) -> None:
+    """A run without --checkpoint.enable would train from step 1 again and append a second history to the
+    loss log: refused when the dump folder holds a loss log or checkpoints. Nothing is ever deleted; a
+    fresh start goes into another dump folder."""
+    if config.checkpoint.enable:
+        return
+    dump = Path(config.job.dump_folder)
+    log = loss_log_path(dump)
+    steps = complete_steps(dump / config.checkpoint.folder)
+    held = ([f"{log.name}"] if log.is_file() and log.stat().st_size > 0 else []) + (
+        [f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
+    if held:
+        raise ConfigError(
+            f"dump folder {dump} already holds a run ({'; '.join(held)}) and checkpoint.enable is off, so this "
+            "run would start again from step 1 over it: add --checkpoint.enable to resume it, or pass another "
+            "--job.dump_folder (or move this one away) to start afresh"
+        )
+
+
+def how_to_resume(config: JobConfig) -> str:
+    """The resume instruction that is true for this config (the shipped configs leave checkpointing off)."""
+    if config.checkpoint.enable:
+        return "run the same command again to resume"
+    return "run the same command again with --checkpoint.enable to resume"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ class ByteWindowDataset(SampleRandomDataset):
     ``"llm-window"``; form 1 of data randomness: a pure function of the sample key).
     """
 
+    vocab_size = 256  # byte-level: every byte value is a token
+
     def __init__(self, corpus: bytes, seq_len: int, seed: int, num_samples: int = 0) -> None:
         super().__init__(seed, "llm-window")
         self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
