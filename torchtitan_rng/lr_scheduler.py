@@ -32,11 +32,28 @@ class WarmupDecay:
         return self.min_lr_factor + (1.0 - self.min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> LambdaLR:
-    schedule = WarmupDecay(
+def _schedule(config: JobConfig) -> WarmupDecay:
+    return WarmupDecay(
         warmup_steps=config.lr_scheduler.warmup_steps,
         total_steps=lr_total_steps(config),
         decay_type=config.lr_scheduler.decay_type,
         min_lr_factor=config.lr_scheduler.min_lr_factor,
     )
-    return LambdaLR(optimizer, schedule)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> LambdaLR:
+    return LambdaLR(optimizer, _schedule(config))
+
+
+def schedule_from_config(scheduler: LambdaLR, config: JobConfig) -> None:
+    """After a load: the schedule and base learning rate are the config's, the position (step) the
+    checkpoint's. A loaded LambdaLR carries the saved schedule's fields and base_lrs; a resume allowed to
+    change them (checkpoint.allow_config_change) must not silently keep the old ones. Unchanged, every value
+    set here is the one already there, bit for bit (the lr is the same product LambdaLR computes)."""
+    schedule = _schedule(config)
+    scheduler.lr_lambdas = [schedule for _ in scheduler.optimizer.param_groups]
+    scheduler.base_lrs = [config.optimizer.lr for _ in scheduler.optimizer.param_groups]
+    for group in scheduler.optimizer.param_groups:
+        group["initial_lr"] = config.optimizer.lr
+        group["lr"] = config.optimizer.lr * schedule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # get_last_lr() reads it

@@ -32,9 +32,9 @@ from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
 from torchtitan_rng.fault_injection import fault_point
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
-from torchtitan_rng.lr_scheduler import build_lr_scheduler
+from torchtitan_rng.lr_scheduler import build_lr_scheduler, schedule_from_config
 from torchtitan_rng.metrics import ProgressReporter
-from torchtitan_rng.optimizer import build_optimizer
+from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.train_spec import Batch, get_train_spec
@@ -98,10 +98,10 @@ def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, tr
         return resume_policy.StreamPlan("fresh")
     saved_world = resume_policy.saved_world_size(path)  # reads .metadata, checks every shard's size
     _verify_files(world, path)
+    reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
     for line in run_record.check_resume(path, run_record.read_record(path), checkpointer.run_record,
                                         ckpt.allow_config_change):
         _log(world, line)
-    reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
     result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
     last_step = config.training.steps
     refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
@@ -169,6 +169,10 @@ def train(config: JobConfig) -> int:
     )
     checkpointer.run_record = run_record.build_record(config, dataset)
     stream_plan = _resume(config, world, checkpointer, train_state, dataloader)
+    # The config, not a loaded checkpoint, sets the schedule and hyperparameters: the same values unless
+    # checkpoint.allow_config_change let one change (then the new one must apply, not the saved one).
+    hyperparameters_from_config(optimizer, config)
+    schedule_from_config(lr_scheduler, config)
     last_step = config.training.steps
     if train_state.step >= last_step:
         _log(world, f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")

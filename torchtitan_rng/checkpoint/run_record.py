@@ -155,17 +155,20 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
             f"{{checkpoint}} was trained with (steps {horizon + 1}-{steps} would train at the schedule's final "
             "learning rate)")))
     if saved.get("data") != current["data"]:
-        changes.append(Change(_DATA_KEY, _describe_data(saved_config.get(_DATA_KEY), saved.get("data")),
-                              _describe_data(config.get(_DATA_KEY), current["data"])))
+        before, now = saved.get("data"), current["data"]
+        changes.append(Change(_DATA_KEY, before, now, what=(
+            f"{_DATA_KEY} = {config.get(_DATA_KEY)!r} is other data than checkpoint {{checkpoint}} was trained with "
+            f"(saved: {_describe_data(saved_config.get(_DATA_KEY), before)}; now: "
+            f"{_describe_data(config.get(_DATA_KEY), now)})")))
         changes.sort(key=lambda change: change.key)
     return changes
 
 
 def _describe_data(path: Any, fingerprint: Any) -> str:
+    source = repr(path) if path else "the built-in text"
     if not isinstance(fingerprint, dict):
-        return f"{path!r} (no fingerprint)"
-    parts = [f"{key} {value}" for key, value in sorted(fingerprint.items())]
-    return f"{path or 'the built-in text'!r} ({', '.join(parts)})"
+        return f"{source}, no fingerprint"
+    return ", ".join([source, *(f"{key} {value}" for key, value in sorted(fingerprint.items()))])
 
 
 def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any],
