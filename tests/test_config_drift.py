@@ -84,8 +84,8 @@ def test_changed_keys_are_refused_one_line_each(stopped: Path, tmp_path: Path) -
     other.write_bytes(Path(run_lock.__file__).read_bytes() * 20)
     before = _snapshot(stopped)
     overrides = [arg for key, (value, _, _) in TABLE.items() for arg in (f"--{key}", value)]
-    proc = train(stopped, "--training.steps", "8", *CKPT, *overrides, "--training.dataset_path", str(other),
-                 check=False)
+    proc = train(stopped, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT, *overrides,
+                 "--training.dataset_path", str(other), check=False)
     errors = _refused(proc, lines=len(TABLE) + 1)
     checkpoint = stopped / "checkpoint" / f"step-{STOP}"
     by_key = {line.removeprefix("error: ").split(" = ")[0]: line for line in errors}
