@@ -115,6 +115,14 @@ def test_extending_past_the_horizon_is_refused(stopped: Path, extension: tuple[s
     assert _snapshot(stopped) == before
 
 
+def test_refused_by_run_train_sh_before_any_rank_starts(stopped: Path) -> None:
+    before = _snapshot(stopped)
+    proc = train(stopped, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT, "--debug.seed", "7",
+                 via_run_train=True, check=False)
+    assert _refused(proc)[0].startswith("error: debug.seed = 7 but checkpoint ")
+    assert "rank" not in proc.stdout.lower() and _snapshot(stopped) == before
+
+
 def _lr_bits(dump: Path) -> dict[int, str]:
     return {step: struct.pack("<d", record["lr"]).hex() for step, record in read_loss_log(dump).items()}
 

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
+from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.manager import CheckpointError
 from torchtitan_rng.config import ConfigError, parse_args
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
-    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
+    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_rng.checkpoint import resume as resume_policy
+from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.checkpoint.manager import CheckpointError, complete_steps, resolve_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
@@ -21,7 +22,7 @@ from torchtitan_rng.train_spec import get_train_spec
 def check(config: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError/CheckpointError for anything that would stop the run once started; the
     checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
-    get_train_spec(config)
+    spec = get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
     ckpt = config.checkpoint
     if ckpt.enable:
@@ -30,6 +31,10 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
             saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
             if world_size is not None:
                 resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
+            # Refused changes fail here, before any rank starts; the warnings are rank 0's to print.
+            run_record.check_resume(path, run_record.read_record(path),
+                                    run_record.build_record(config, spec.build_dataset(config)),
+                                    ckpt.allow_config_change)
 
 
 def refuse_restart_over_history(config: JobConfig) -> None:
@@ -61,7 +66,7 @@ def how_to_resume(config: JobConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         check(parse_args(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, run_record.ConfigDriftError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
