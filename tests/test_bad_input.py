@@ -135,8 +135,8 @@ def test_damaged_checkpoint_is_refused(user_dump: Path, case: str) -> None:
 
 def test_other_model_shape(user_dump: Path) -> None:
     before = _snapshot(user_dump)
-    _assert_refused(train(user_dump, "--model.flavor", "small", *STEP2, "--checkpoint.allow_config_change",
-                          "model.flavor", check=False),
+    _assert_refused(train(user_dump, "--model.flavor", "small", "--training.steps", "4", *STEP2,
+                          "--checkpoint.allow_config_change", "model.flavor", check=False),
                     "does not fit this run", "Size mismatch", "model.embed.weight")
     assert _snapshot(user_dump) == before
 
