@@ -95,7 +95,7 @@ def test_changed_keys_are_refused_one_line_each(stopped: Path, tmp_path: Path) -
                                       f"resume with the saved value, or pass --checkpoint.allow_config_change {key} "), by_key[key]
     assert by_key["training.dataset_path"].startswith(
         f"error: training.dataset_path = {str(other)!r} is other data than checkpoint {checkpoint} was trained with "
-        f"(saved: the built-in text, samples 64, vocab_size 256; now: {str(other)!r}, blake2b_ends ")
+        f"(saved: the built-in text, samples 64; now: {str(other)!r}, blake2b_ends ")
     assert f"bytes {other.stat().st_size}, samples " in by_key["training.dataset_path"]
     assert _snapshot(stopped) == before  # loss log byte for byte, checkpoints untouched
 

@@ -23,9 +23,7 @@ CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
 
 
 class _Samples:
-    """The two things a fingerprint asks of a dataset: its length and (optionally) its vocabulary."""
-
-    vocab_size = 256
+    """What a fingerprint asks of a dataset: its length."""
 
     def __len__(self) -> int:
         return 64

@@ -43,6 +43,8 @@ class Job:
 class Model:
     name: str = "llama"
     flavor: str = "debug"
+    # LLM vocabulary; 0 or -1: derived from the data (largest token id + 1 of a .bin, 256 for byte-level text).
+    vocab_size: int = 0
 
 
 @dataclass
@@ -51,7 +53,8 @@ class Training:
     local_batch_size: int = 8
     seq_len: int = 64
     max_norm: float = 1.0
-    # A UTF-8 text file for the LLM trainer; empty means the text that ships with Python itself.
+    # LLM data: a .bin token file (flat little-endian uint16), a .jsonl ("text" per line) or a UTF-8 text
+    # file; empty means the text that ships with Python itself.
     dataset_path: str = ""
     # Flux: probability of replacing a caption by the empty prompt (classifier-free guidance).
     classifier_free_guidance_prob: float = 0.1
@@ -71,6 +74,10 @@ class Data:
     capture_worker_rng: bool = True
     # Form 2 and a changed num_workers cannot resume exactly; "error" refuses, "warn" continues inexactly.
     on_num_workers_change: str = "error"
+    # LLM: read dataset_path front to back (no index over the file) through a shuffle buffer of
+    # shuffle_buffer windows; position and buffer contents are saved with the checkpoint.
+    streaming: bool = False
+    shuffle_buffer: int = 256
 
 
 @dataclass
@@ -182,6 +189,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 # (key, lowest allowed value) for numbers that must not be below a bound.
 _MINIMUMS: dict[str, float] = {
+    "model.vocab_size": -1,
     "training.steps": 1,
     "training.local_batch_size": 1,
     "training.seq_len": 2,
@@ -191,6 +199,7 @@ _MINIMUMS: dict[str, float] = {
     "data.num_samples": 0,
     "data.prefetch_factor": 1,
     "data.snapshot_every_n_steps": 1,
+    "data.shuffle_buffer": 1,
     "optimizer.lr": 0,
     "lr_scheduler.warmup_steps": 0,
     "lr_scheduler.total_steps": 0,

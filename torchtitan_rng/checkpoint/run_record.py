@@ -74,15 +74,12 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file), the
-    number of samples per epoch, and the vocabulary size when the dataset states one."""
+    """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
+    number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
     fingerprint: dict[str, Any] = {"samples": len(dataset)}
     path = Path(config.training.dataset_path)
     if config.training.dataset_path and path.is_file():
         fingerprint.update(_file_fingerprint(path))
-    vocab_size = getattr(dataset, "vocab_size", None)
-    if vocab_size is not None:
-        fingerprint["vocab_size"] = vocab_size
     return fingerprint
 
 
