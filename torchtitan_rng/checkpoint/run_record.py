@@ -76,7 +76,8 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
     """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
     number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
-    fingerprint: dict[str, Any] = {"samples": len(dataset)}
+    # A stream (an IterableDataset) has no length: its file's fingerprint stands for it.
+    fingerprint: dict[str, Any] = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
     path = Path(config.training.dataset_path)
     if config.training.dataset_path and path.is_file():
         fingerprint.update(_file_fingerprint(path))
