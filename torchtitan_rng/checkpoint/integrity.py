@@ -6,22 +6,20 @@ little-endian 64-bit words, computed with NumPy at memory speed: ``s1`` is the s
 sum of each 32 KiB block's sum weighted by its position (mod 2**64). Any single flipped bit changes
 ``s1``; a truncated or extended file changes the size; blocks moved within a file change ``s2``. It finds
 damage (disk, copy, transfer), not tampering: whoever can edit a shard can edit this file too. zlib's
-crc32 ran at about 1 GB/s here, which would have made a save about 1.4x slower; this runs at ~20 GB/s.
+crc32 ran at about 1 GB/s here, which would have made a save about 1.4x slower; this sums a memory-mapped
+file at ~20 GB/s.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
 CHECKSUMS_NAME = "checksums.json"
 _WORDS_PER_BLOCK = 4096  # 32 KiB
-_CHUNK_BYTES = 8 * _WORDS_PER_BLOCK * 256 + 8  # 8 MiB of whole blocks read at a time, and 8 spare bytes
-
-
 _MASK = (1 << 64) - 1
 
 
@@ -29,36 +27,25 @@ class DamagedFile(ValueError):
     """A checkpoint file differs from what was written; the message names the file."""
 
 
-def _fill(file: BinaryIO, view: memoryview) -> int:
-    """Read until ``view`` is full or the file ends (a short read must not move block boundaries)."""
-    total = 0
-    while total < len(view) and (read := file.readinto(view[total:])):
-        total += read
-    return total
-
-
 def file_sum(path: Path) -> str:
-    """The 128-bit Fletcher-style sum of a file as 32 hex digits (see the module's docstring)."""
-    s1 = s2 = 0
-    block_index = 0
-    buffer = bytearray(min(_CHUNK_BYTES, path.stat().st_size + 8))
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as file:
-        while read := _fill(file, view[: len(view) - 8]):  # 8 spare bytes for the padding
-            if read % 8:  # the file's last bytes: zero-padded to a word (the size is recorded separately)
-                padded = -read % 8
-                view[read : read + padded] = bytes(padded)
-                read += padded
-            words = np.frombuffer(buffer, dtype="<u8", count=read // 8)
-            whole = len(words) - len(words) % _WORDS_PER_BLOCK
-            blocks = words[:whole].reshape(-1, _WORDS_PER_BLOCK).sum(axis=1, dtype=np.uint64)
-            if whole < len(words):
-                blocks = np.append(blocks, words[whole:].sum(dtype=np.uint64))
-            weights = np.arange(block_index + 1, block_index + 1 + len(blocks), dtype=np.uint64)
-            s1 = (s1 + int(blocks.sum(dtype=np.uint64))) & _MASK  # Python ints: NumPy scalars warn on wrap
-            s2 = (s2 + int(np.dot(blocks, weights))) & _MASK
-            block_index += len(blocks)
-            del words  # the buffer is reused: no view of it may outlive this chunk
+    """The 128-bit Fletcher-style sum of a file as 32 hex digits (see the module's docstring). The file is
+    memory-mapped: NumPy sums the page cache in place, with no copy."""
+    size = path.stat().st_size
+    if size == 0:
+        return "0" * 32
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        words = np.frombuffer(mapped, dtype="<u8", count=size // 8)
+        whole = len(words) - len(words) % _WORDS_PER_BLOCK
+        blocks = words[:whole].reshape(-1, _WORDS_PER_BLOCK).sum(axis=1, dtype=np.uint64)
+        last = int(words[whole:].sum(dtype=np.uint64))
+        del words  # no view of the mapping may outlive it
+        tail = bytes(mapped[size - size % 8 :])
+    if whole * 8 < size:  # a last, partial block; the file's last bytes zero-padded to a word (size is recorded)
+        last += int.from_bytes(tail.ljust(8, b"\0"), "little") if tail else 0
+        blocks = np.append(blocks, np.uint64(last & _MASK))
+    # uint64 array arithmetic wraps mod 2**64 (silently, unlike NumPy scalars).
+    s1 = int(blocks.sum(dtype=np.uint64))
+    s2 = int(np.dot(blocks, np.arange(1, len(blocks) + 1, dtype=np.uint64)))
     return f"{s1:016x}{s2:016x}"
 
 
