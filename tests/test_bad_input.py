@@ -43,12 +43,13 @@ def test_missing_config_file(user_dump: Path) -> None:
     assert snapshot(user_dump) == before
 
 
-def test_bad_config_through_run_train_sh(user_dump: Path) -> None:
+def test_bad_config_through_the_launcher(user_dump: Path) -> None:
     """The same refusal from the launcher, before torchrun starts any rank."""
     before = snapshot(user_dump)
     proc = train(user_dump, "--training.steps", "0", nproc=2, check=False)
     assert_refused(proc, "training.steps = 0 is out of range")
     assert "rank" not in proc.stdout.lower() and snapshot(user_dump) == before
+
 
 def test_compare_losses_on_a_log_that_is_not_jsonl(tmp_path: Path, saved: Path) -> None:
     bad = tmp_path / "loss_log.jsonl"
