@@ -144,13 +144,16 @@ def test_opt_in_warns_and_follows_the_config(dump: Path) -> None:
     assert all(struct.pack("<d", LR * saved(step - 1)).hex() != expected[step] for step in expected)
 
 
-def test_flipped_bit_in_the_newest_shard_is_refused(dump: Path) -> None:
+@pytest.mark.parametrize("via_run_train", [False, True], ids=["train.py", "run_train.sh"])
+def test_flipped_bit_in_the_newest_shard_is_refused(dump: Path, via_run_train: bool) -> None:
+    """By rank 0 (train.py), or by the launcher before any rank starts (run_train.sh)."""
     shard = dump / "checkpoint" / f"step-{STOP}" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     before = _snapshot(dump)
-    error = _refused(train(dump, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT, check=False))[0]
+    error = _refused(train(dump, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT,
+                           via_run_train=via_run_train, check=False))[0]
     assert error == (f"error: checkpoint {dump / 'checkpoint' / f'step-{STOP}'} is damaged: __0_0.distcp does not match "
                      "the checksum written at save (its content changed); pick another with --checkpoint.load_step "
                      "(or move it away)")

@@ -6,6 +6,7 @@ it, save at that step and exit 0 (see launch/preemption.py).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
 from torchtitan_rng.checkpoint import resume as resume_policy
-from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.launch import preemption, preflight, run_lock
 from torchtitan_rng.checkpoint.manager import (
     CheckpointError,
@@ -78,7 +79,10 @@ def _take_run_lock(world: World, dump_folder: Path) -> None:
 
 
 def _verify_files(world: World, path: Path) -> None:
-    """Every file of the checkpoint as written at save; read once, by rank 0."""
+    """Every file of the checkpoint as written at save; read once, by the launcher or else by rank 0."""
+    if os.environ.get(integrity.VERIFIED_ENV) == str(path) and (path / integrity.CHECKSUMS_NAME).is_file():
+        return
+
     def verify() -> None:
         if not verify_integrity(path):
             _log(world, f"WARNING: checkpoint {path} has no checksums (saved by an older version): damage to its "

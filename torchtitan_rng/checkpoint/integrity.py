@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 CHECKSUMS_NAME = "checksums.json"
+# Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
+VERIFIED_ENV = "TORCHTITAN_RNG_VERIFIED_CHECKPOINT"
 _WORDS_PER_BLOCK = 4096  # 32 KiB
 _MASK = (1 << 64) - 1
 

@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
-from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.manager import CheckpointError
 from torchtitan_rng.config import ConfigError, parse_args
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     single_node = args.nnodes == "1"
     try:
         config = parse_args(args.training_script_args)
-        preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
+        resumed = preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
     os.environ[preemption.EXIT_DIR_ENV] = str(exit_dir)
     os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
+    if resumed is not None:  # its files were just verified: rank 0 need not read them all again
+        os.environ[integrity.VERIFIED_ENV] = str(resumed)
     if lock is not None:
         os.environ[run_lock.TOKEN_ENV] = lock.token
     try:

@@ -13,15 +13,16 @@ from pathlib import Path
 from torchtitan_rng.checkpoint import resume as resume_policy
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.launch import preemption
-from torchtitan_rng.checkpoint.manager import CheckpointError, complete_steps, resolve_checkpoint
+from torchtitan_rng.checkpoint.manager import CheckpointError, complete_steps, resolve_checkpoint, verify_integrity
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.train_spec import get_train_spec
 
 
-def check(config: JobConfig, world_size: int | None = None) -> None:
+def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     """Raise ConfigError/CheckpointError for anything that would stop the run once started; the
-    checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
+    checkpoint it would resume from must be complete, undamaged and (when ``world_size`` is known) fit
+    it. Returns that checkpoint (None: the run starts fresh)."""
     spec = get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
     ckpt = config.checkpoint
@@ -29,12 +30,15 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
         path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
         if path is not None:
             saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
+            verify_integrity(path)
             if world_size is not None:
                 resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
             # Refused changes fail here, before any rank starts; the warnings are rank 0's to print.
             run_record.check_resume(path, run_record.read_record(path),
                                     run_record.build_record(config, spec.build_dataset(config)),
                                     ckpt.allow_config_change)
+        return path
+    return None
 
 
 def refuse_restart_over_history(config: JobConfig) -> None:
