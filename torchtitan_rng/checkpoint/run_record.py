@@ -140,11 +140,11 @@ class Change:
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
-    """The trajectory keys whose resolved value differs (quiet keys left out), in key order."""
+    """The trajectory keys whose resolved value differs (quiet keys left out), in key order. A key only one
+    side has (added or removed by another version) is not compared: the record cannot say its old value."""
     saved_config, config = saved["config"], current["config"]
-    changes = [Change(key, saved_config.get(key, "(absent)"), config.get(key, "(absent)"))
-               for key in sorted(set(saved_config) | set(config))
-               if key != _DATA_KEY and not is_quiet(key) and saved_config.get(key) != config.get(key)]
+    changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
+               if key != _DATA_KEY and not is_quiet(key) and saved_config[key] != config[key]]
     steps, horizon = config.get("training.steps", 0), config.get(_HORIZON, 0)
     ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(_HORIZON, 0)
     if horizon == saved_config.get(_HORIZON) and steps > horizon and not ran_past_before:
