@@ -17,7 +17,9 @@ from typing import Iterator
 
 from bench.common import build_run, config_for, folder_bytes, median, parser, scratch_parent, spread, table, timed
 from torchtitan_rng.checkpoint import integrity
-from torchtitan_rng.checkpoint.manager import CheckpointManager, step_dir, verify_integrity
+from torchtitan_rng.checkpoint.integrity import verify_integrity
+from torchtitan_rng.checkpoint.layout import step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager
 
 
 @contextmanager

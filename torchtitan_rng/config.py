@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtitan_rng.checkpoint.layout import PARTS
+
 if sys.version_info >= (3, 11):
     import tomllib as toml_reader
 else:  # pragma: no cover - Python 3.10
@@ -333,11 +335,10 @@ def validate(config: JobConfig) -> None:
         )
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
-    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
     for name in config.checkpoint.exclude_from_loading:
-        if name not in parts:
+        if name not in PARTS:
             raise ConfigError(
-                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(parts)}"
+                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(PARTS)}"
             )
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
@@ -402,6 +403,28 @@ def usage(prog: str) -> str:
 def lr_total_steps(config: JobConfig) -> int:
     """The horizon of the learning-rate schedule (pinned by lr_scheduler.total_steps)."""
     return config.lr_scheduler.total_steps or config.training.steps
+
+
+# The parameters that the library layers (checkpoint manager, own-loop API, dataloader) name in their errors
+# (``load_step=5``), and the config key a trainer user sets instead (``--checkpoint.load_step 5``).
+_LIBRARY_PARAMETERS = {
+    "load_step": "checkpoint.load_step",
+    "initial_load_path": "checkpoint.initial_load_path",
+    "on_world_size_change": "checkpoint.on_world_size_change",
+    "exclude": "checkpoint.exclude_from_loading",
+    "num_workers": "data.num_workers",
+    "on_num_workers_change": "data.on_num_workers_change",
+}
+_LIBRARY_PARAMETER = re.compile(r"\b(" + "|".join(_LIBRARY_PARAMETERS) + r""")=("[^"]*"|'[^']*'|[\w.+-]*)""")
+
+
+def as_flags(message: str) -> str:
+    """A library error worded for a trainer user: ``load_step=5`` becomes ``--checkpoint.load_step 5``."""
+    def flag(match: re.Match[str]) -> str:
+        value = match.group(2).strip('"')
+        return f"--{_LIBRARY_PARAMETERS[match.group(1)]}" + (f" {value}" if value else "")
+
+    return _LIBRARY_PARAMETER.sub(flag, message)
 
 
 def to_dict(config: JobConfig) -> dict[str, Any]:

@@ -1,9 +1,15 @@
-"""Linear warmup, then linear/cosine decay (or constant) planned over ``lr_scheduler.total_steps``."""
+"""Linear warmup, then linear/cosine decay (or constant) planned over ``lr_scheduler.total_steps``.
+
+The config is the truth for the schedule: a checkpoint holds only how far the schedule has gone (torch's
+``LambdaLR.state_dict`` would also save the schedule's fields, and loading them would silently replace
+the config's ``total_steps``, ``warmup_steps`` and decay with the checkpoint's).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -32,28 +38,27 @@ class WarmupDecay:
         return self.min_lr_factor + (1.0 - self.min_lr_factor) * shape
 
 
-def _schedule(config: JobConfig) -> WarmupDecay:
-    return WarmupDecay(
+class ConfiguredLR(LambdaLR):
+    """A LambdaLR whose checkpoint is its step counter only; loading it sets the optimizer's lr from the
+    config's schedule at that step (load it after the optimizer, whose saved lr it replaces)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = self.last_epoch + 1  # as after that many step() calls
+        lrs = [base_lr * factor(self.last_epoch) for base_lr, factor in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> ConfiguredLR:
+    schedule = WarmupDecay(
         warmup_steps=config.lr_scheduler.warmup_steps,
         total_steps=lr_total_steps(config),
         decay_type=config.lr_scheduler.decay_type,
         min_lr_factor=config.lr_scheduler.min_lr_factor,
     )
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: JobConfig) -> LambdaLR:
-    return LambdaLR(optimizer, _schedule(config))
-
-
-def schedule_from_config(scheduler: LambdaLR, config: JobConfig) -> None:
-    """After a load: the schedule and base learning rate are the config's, the position (step) the
-    checkpoint's. A loaded LambdaLR carries the saved schedule's fields and base_lrs; a resume allowed to
-    change them (checkpoint.allow_config_change) must not silently keep the old ones. Unchanged, every value
-    set here is the one already there, bit for bit (the lr is the same product LambdaLR computes)."""
-    schedule = _schedule(config)
-    scheduler.lr_lambdas = [schedule for _ in scheduler.optimizer.param_groups]
-    scheduler.base_lrs = [config.optimizer.lr for _ in scheduler.optimizer.param_groups]
-    for group in scheduler.optimizer.param_groups:
-        group["initial_lr"] = config.optimizer.lr
-        group["lr"] = config.optimizer.lr * schedule(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # get_last_lr() reads it
+    return ConfiguredLR(optimizer, schedule)

@@ -15,18 +15,17 @@ from __future__ import annotations
 import json
 import mmap
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
+
+from torchtitan_rng.checkpoint.layout import CheckpointError
 
 CHECKSUMS_NAME = "checksums.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
 VERIFIED_ENV = "TORCHTITAN_RNG_VERIFIED_CHECKPOINT"
 _WORDS_PER_BLOCK = 4096  # 32 KiB
 _MASK = (1 << 64) - 1
-
-
-class DamagedFile(ValueError):
-    """A checkpoint file differs from what was written; the message names the file."""
 
 
 def file_sum(path: Path) -> str:
@@ -62,9 +61,10 @@ def write_checksums(folder: Path) -> None:
     (folder / CHECKSUMS_NAME).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
 
 
-def verify_checksums(folder: Path) -> bool:
+def verify_integrity(folder: Path) -> bool:
     """True when every recorded file is there unchanged; False when the checkpoint has no checksums (saved
-    by an older version); DamagedFile naming the first file that differs."""
+    by an older version); CheckpointError naming the first file that differs. Reads every byte: call it
+    once per resume, on one process."""
     record = folder / CHECKSUMS_NAME
     if not record.is_file():
         return False
@@ -72,14 +72,19 @@ def verify_checksums(folder: Path) -> bool:
         sums = json.loads(record.read_text())
         expected = {name: (int(entry["bytes"]), str(entry["sum"])) for name, entry in sums.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        raise DamagedFile(f"{CHECKSUMS_NAME} is damaged (not the JSON written at save)") from None
+        _damaged(folder, f"{CHECKSUMS_NAME} is damaged (not the JSON written at save)")
     for name, (size, digest) in sorted(expected.items()):
         path = folder / name
         if not path.is_file():
-            raise DamagedFile(f"{name} is missing")
+            _damaged(folder, f"{name} is missing")
         actual = path.stat().st_size
         if actual != size:
-            raise DamagedFile(f"{name} has {actual} bytes, {size} were written")
+            _damaged(folder, f"{name} has {actual} bytes, {size} were written")
         if file_sum(path) != digest:
-            raise DamagedFile(f"{name} does not match the checksum written at save (its content changed)")
+            _damaged(folder, f"{name} does not match the checksum written at save (its content changed)")
     return True
+
+
+def _damaged(folder: Path, what: str) -> NoReturn:
+    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with --checkpoint.load_step "
+                          "(or move it away)")

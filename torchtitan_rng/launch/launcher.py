@@ -30,8 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
 from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.manager import CheckpointError
-from torchtitan_rng.config import ConfigError, parse_args
+from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.config import ConfigError, as_flags, parse_args
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
     except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
