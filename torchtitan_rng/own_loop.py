@@ -17,7 +17,7 @@ The pieces it bundles (TrainState, CheckpointManager, ResumableDataLoader) stay 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ class _PlainIndices(Dataset):
 def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
                      shuffle: bool = True, sample_keys: bool | None = None, prefetch_factor: int = 2,
                      capture_worker_rng: bool = True, on_num_workers_change: str = "error",
-                     dp_rank: int | None = None, dp_world: int | None = None) -> ResumableDataLoader:
+                     dp_rank: int | None = None, dp_world: int | None = None,
+                     collate_fn: Callable[[list[Any]], Any] | None = None) -> ResumableDataLoader:
     """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
     that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
 
@@ -90,6 +91,7 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
             ``num_workers``) or "warn" (continue inexactly).
         dp_rank, dp_world: this rank and the number of data-parallel ranks; by default the rank and world
             size of the initialised process group (0 and 1 without one).
+        collate_fn: merges a list of samples into a batch, as for ``DataLoader`` (default: torch's).
 
     The loader yields forever: stop after your last step, not at the end of an epoch.
     """
@@ -106,6 +108,7 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         prefetch_factor=prefetch_factor,
         shuffle=shuffle,
         on_num_workers_change=on_num_workers_change,
+        collate_fn=collate_fn,
     )
 
 

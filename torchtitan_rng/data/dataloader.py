@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import Dataset
@@ -57,7 +57,8 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                  num_workers: int = 0, prefetch_factor: int = 2, snapshot_every_n_steps: int = 1,
-                 shuffle: bool = True, on_num_workers_change: str = "error") -> None:
+                 shuffle: bool = True, on_num_workers_change: str = "error",
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.dp_rank = dp_rank
         self.num_workers_configured = num_workers
         self.on_num_workers_change = on_num_workers_change
@@ -66,6 +67,7 @@ class ResumableDataLoader(StatefulDataLoader):
         super().__init__(
             dataset,
             batch_sampler=sampler,
+            collate_fn=collate_fn,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
