@@ -47,6 +47,7 @@ class TinyNet(nn.Module):
 
 def record_step(out: Path, rank: int, step: int, model: TinyNet) -> None:
     """Append ``step`` and the exact losses of its micro-batches to this rank's record."""
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / f"losses_rank{rank}.txt", "a") as f:
         f.write(f"{step} {' '.join(value.hex() for value in model.recorded)}\n")
     model.recorded.clear()

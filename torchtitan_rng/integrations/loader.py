@@ -47,13 +47,13 @@ class EpochLoader:
         return self.batches_per_epoch
 
     def __iter__(self) -> EpochLoader:
-        if self._iterator is None:  # once per run: the workers keep their streams across epochs
-            self._iterator = iter(self.loader)
         return self
 
     def __next__(self) -> Any:
+        # One iterator per run, made at the first batch (frameworks call iter() early, e.g. to check the
+        # loader): the workers keep their streams across epochs.
         if self._iterator is None:
-            iter(self)
+            self._iterator = iter(self.loader)
         if self._pending_rng is not None:  # the step boundary: nothing of the resumed step has drawn yet
             restore_global_rng(self._pending_rng, self.device)
             self._pending_rng = None
@@ -78,9 +78,12 @@ class EpochLoader:
         self._pending_rng = state["rng"]
 
     def close(self) -> None:
-        """Stop the worker processes (the persistent iterator would keep them until garbage collection)."""
-        iterator, self._iterator = self._iterator, None
-        shutdown = getattr(iterator, "_shutdown_workers", None)
+        """Stop the worker processes now. The loader keeps its live iterator (for ``state_dict``), so dropping
+        ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals."""
+        self._iterator = None
+        live = self.loader._iterator  # StatefulDataLoader's own reference
+        self.loader._iterator = None
+        shutdown = getattr(live, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
 
