@@ -44,7 +44,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         record_step(self.out, trainer.global_rank, trainer.global_step, pl_module.net)
         if trainer.global_step == self.signal_at and trainer.global_rank == 0:
-            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice arriving during this step
+            os.kill(os.getpid(), signal.SIGUSR1)  # a preemption notice (Lightning forwards SIGTERM to torchrun)
 
 
 def main() -> None:
