@@ -13,13 +13,12 @@ import pytest
 
 from launch import REPO, run_env
 
-pytestmark = pytest.mark.e2e
 SCRIPTS = REPO / "tests" / "integrations"
 
 
 def _run(script: str, out: Path, *args: str, nproc: int = 1) -> None:
     launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "0"]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     proc = subprocess.run([*launcher, str(SCRIPTS / script), "--out", str(out), *args], cwd=REPO, capture_output=True,
                           text=True, env=run_env({"PYTHONPATH": str(REPO)}), timeout=300)
     assert proc.returncode == 0, f"{script} {args} exited {proc.returncode}\n{proc.stderr[-4000:]}"
@@ -42,16 +41,25 @@ HF_ONE = ("--workers", "2", "--ga", "2", "--save-steps", "4")
 # 24 samples, batch 2, accumulation 2: 6 optimizer steps an epoch; stopped at 4, run to 8.
 
 
+def test_importing_the_package_imports_no_framework() -> None:
+    code = ("import sys, torchtitan_rng, torchtitan_rng.integrations, torchtitan_rng.integrations.loader; "
+            "assert not {'transformers', 'accelerate', 'lightning'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env=run_env())
+
+
+@pytest.mark.e2e
 def test_hf_one_process_resumes_bitwise(tmp_path: Path) -> None:
     a, b = _hf(tmp_path, *HF_ONE, "--max-steps", "8", stop=("--max-steps", "4"), resume=("--resume",))
     assert len(a[0].splitlines()) == 8 and b == a
 
 
+@pytest.mark.e2e
 def test_hf_stock_trainer_differs(tmp_path: Path) -> None:
     a, b = _hf(tmp_path, *HF_ONE, "--max-steps", "8", stop=("--max-steps", "4"), resume=("--resume",), stock=True)
     assert a[0].splitlines()[:4] == b[0].splitlines()[:4] and b != a
 
 
+@pytest.mark.e2e
 def test_hf_two_processes_sigterm_resumes_bitwise(tmp_path: Path) -> None:
     # Rank 0 alone gets SIGTERM during step 3: both ranks save at step 3 and stop; 6 steps an epoch.
     a, b = _hf(tmp_path, "--workers", "2", "--max-steps", "8", stop=("--signal-at", "3"), resume=("--resume",),
@@ -67,11 +75,13 @@ def _lightning(tmp_path: Path, stop: tuple[str, ...], checkpoint: str, stock: bo
     return _losses(tmp_path / "A", 2), _losses(tmp_path / "B", 2)
 
 
+@pytest.mark.e2e
 def test_lightning_ddp_signal_resumes_bitwise(tmp_path: Path) -> None:
     a, b = _lightning(tmp_path, ("--signal-at", "3"), "preempted-step=3.ckpt")
     assert len(b[1].splitlines()) == 8 and b == a
 
 
+@pytest.mark.e2e
 def test_lightning_stock_differs(tmp_path: Path) -> None:
     a, b = _lightning(tmp_path, ("--save-every", "3", "--max-steps", "3"), "step=3.ckpt", stock=True)
     assert b != a
