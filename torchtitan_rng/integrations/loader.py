@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.own_loop import build_dataloader
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
@@ -81,11 +81,7 @@ class EpochLoader:
         """Stop the worker processes now. The loader keeps its live iterator (for ``state_dict``), so dropping
         ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals."""
         self._iterator = None
-        live = self.loader._iterator  # StatefulDataLoader's own reference
-        self.loader._iterator = None
-        shutdown = getattr(live, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        shutdown_workers(self.loader)
 
 
 def exact_resume_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
