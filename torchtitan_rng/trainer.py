@@ -24,7 +24,7 @@ from torchtitan_rng.checkpoint.manager import (
     refuse_overwrite,
     resolve_checkpoint,
 )
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
@@ -33,14 +33,12 @@ from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
+from torchtitan_rng import parallelize
+from torchtitan_rng.train_step import forward_backward
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
-from torchtitan_rng.train_spec import Batch, get_train_spec
+from torchtitan_rng.train_spec import get_train_spec
 from torchtitan_rng.checkpoint.train_state import TrainState
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -100,14 +98,19 @@ def train(config: JobConfig) -> int:
     if config.debug.deterministic:
         device_lib.use_deterministic_algorithms()
     spec = get_train_spec(config)
+    accumulation = gradient_accumulation_steps(config, world.dp_world)
     dump_folder = Path(config.job.dump_folder)
     _take_run_lock(world, dump_folder)
 
     # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
     seed_model_init(config.debug.seed)
     model = spec.build_model(config).to(world.device)
+    parallelize.apply_activation_checkpointing(model, spec, config)
+    parallelize.apply_compile(model, spec, config)
     if world.world_size > 1:
-        spec.apply_fsdp(model, world.mesh)
+        spec.apply_fsdp(model, world.mesh, parallelize.fsdp_mixed_precision(config))
+    loss_fn = parallelize.compiled_loss(spec.loss_fn, model, config)
+    compute_context = parallelize.autocast_context(config, world.device, world.world_size)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, config)
@@ -122,7 +125,8 @@ def train(config: JobConfig) -> int:
         seed=config.debug.seed,
         num_workers=config.data.num_workers,
         prefetch_factor=config.data.prefetch_factor,
-        snapshot_every_n_steps=config.data.snapshot_every_n_steps,
+        # The loader counts micro-batches: its snapshot cadence is the user's, in optimizer steps, times those.
+        snapshot_every_n_steps=config.data.snapshot_every_n_steps * accumulation,
         on_num_workers_change=config.data.on_num_workers_change,
     )
     probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
@@ -158,7 +162,7 @@ def train(config: JobConfig) -> int:
     progress = ProgressReporter(
         log_freq=config.metrics.log_freq,
         last_step=last_step,
-        items_per_step=spec.items_per_sample(config) * config.training.local_batch_size * world.dp_world,
+        items_per_step=spec.items_per_sample(config) * config.training.local_batch_size * world.dp_world * accumulation,
         unit=spec.throughput_unit,
         device=world.device,
         enabled=world.rank == 0,
@@ -167,10 +171,8 @@ def train(config: JobConfig) -> int:
     for step in range(train_state.step + 1, last_step + 1):
         fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
         fault_point("before_step", step, world.rank)
-        batch = _to_device(next(data_iter), world.device)
         optimizer.zero_grad(set_to_none=True)
-        loss = spec.loss_fn(model, batch, config)
-        loss.backward()
+        loss = forward_backward(model, data_iter, loss_fn, config, accumulation, world.device, compute_context)
         grad_norm = _clip_grad_norm(params, config.training.max_norm)
         lr = lr_scheduler.get_last_lr()[0]
         optimizer.step()
