@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # train.py and run_train.sh live at the root of the source tree, next to this package.
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class EntryScriptMissing(RuntimeError):
