@@ -1,4 +1,5 @@
-"""Launch real training runs (plain Python for one process, run_train.sh/torchrun for several)."""
+"""Launch real training runs (``python -m torchtitan_rng.train`` for one process, the launcher/torchrun for
+several, run_train.sh where a test asks for it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from torchtitan_rng.launch.runs import run_training, training_command
 
 REPO = Path(__file__).resolve().parents[1]
+# Checkpoints every 2 steps: the bad-input tests' runs save at step 2.
+STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2")
 
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -23,15 +26,13 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def start(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
           env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
-    """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, via run_train.sh, the
-    torchrun parent: the script execs it), and with ``new_session`` also its process group's id.
+    """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, for several processes,
+    the launcher: the torchrun parent), and with ``new_session`` also its process group's id.
     Output is captured as text."""
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
     config_file = REPO / "train_configs" / f"{config}.toml"
-    launch_env = {"PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config_file)}
     return subprocess.Popen(training_command(config_file, args, nproc), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=run_env({**launch_env, **(env or {})}),
-                            start_new_session=new_session)
+                            stderr=subprocess.PIPE, text=True, env=run_env(env), start_new_session=new_session)
 
 
 def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "llama_debug",
@@ -39,13 +40,17 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
           via_run_train: bool = False) -> subprocess.CompletedProcess:
     """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero.
 
-    ``config``: a name in train_configs/ or the Path of a TOML file. One process runs ``train.py``
-    directly unless ``via_run_train``; several always go through run_train.sh.
+    ``config``: a name in train_configs/ or the Path of a TOML file. ``via_run_train``: through
+    run_train.sh (NGPU=nproc, this interpreter) instead of the package's own launch.
     """
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
     config_file = config if isinstance(config, Path) else REPO / "train_configs" / f"{config}.toml"
-    proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout,
-                        via_run_train=via_run_train)
+    if via_run_train:
+        script_env = {"PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config_file), **(env or {})}
+        proc = subprocess.run(["bash", str(REPO / "run_train.sh"), *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout, env=run_env(script_env))
+    else:
+        proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -80,3 +85,4 @@ def wait_for_log_lines(dump: Path, lines: int, proc: subprocess.Popen, timeout: 
         if time.monotonic() > deadline:
             raise AssertionError(f"no {lines} lines in {log} after {timeout} s")
         time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
+

@@ -69,6 +69,7 @@ def test_async_save_is_the_boundary_not_the_write(tmp_path: Path) -> None:
     assert fresh_state.step == 1 and torch.equal(fresh_state.loaded["rng"]["torch_cpu"], rng_before)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("config", "nproc"), [("llama_debug", 2), ("flux_debug", 1)])
 def test_resume_from_async_checkpoint_is_exact(tmp_path: Path, config: str, nproc: int) -> None:
     run_a, run_b = tmp_path / "A", tmp_path / "B"

@@ -9,9 +9,10 @@ import pytest
 from launch import compare, stop_and_resume, train
 from torchtitan_rng import device
 
-pytestmark = pytest.mark.skipif(
-    device.device_type != "cuda", reason=f"no CUDA device here (device_type is {device.device_type!r})"
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(device.device_type != "cuda", reason=f"no CUDA device here (device_type is {device.device_type!r})"),
+]
 
 
 @pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])

@@ -1,22 +1,19 @@
 """Data-side randomness survives resume: random __getitem__, dataloader workers, prefetching, epochs.
 
-Part 1 rebuilds seed 001 (HF Trainer restoring the RNG after fetching the first resumed batch) with this
-project's pieces, in-process with real StatefulDataLoader workers and real DCP checkpoints: a dataset adding
-random noise in ``__getitem__``, a model with dropout, a checkpoint after step 3, a resume; every resumed
-step's output must equal the uninterrupted run's bit for bit. Form 1 draws the noise from the sample's own
+This rebuilds the restore-order case (HF Trainer restoring the RNG after fetching the first resumed batch;
+docs/design.md, "The restore point") with this project's pieces, in-process with real StatefulDataLoader
+workers and real DCP checkpoints: a dataset adding random noise in ``__getitem__``, a model with dropout, a
+checkpoint after step 3, a resume; every resumed step's output must equal the uninterrupted run's bit for
+bit. Form 1 draws the noise from the sample's own
 generator, form 2 from the global RNGs (which the worker-RNG capture carries across the resume).
 
-Part 2 runs the trainers: resumes that cross epoch boundaries, stop mid-epoch and exactly at one, with 0 and
-2 workers, a changed worker count, and a form-2 dataset through ``job.custom_module``.
+The same through the trainers: test_trainer_data_randomness.py.
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -24,29 +21,23 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from launch import REPO, compare, train
 from torchtitan_rng.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, step_dir
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.rng import seed_model_init, seed_training_streams
 from torchtitan_rng.checkpoint.train_state import TrainState
 
-# ----------------------------------------------------------------------------------------------------
-# Part 1: seed 001 with this project's API
-# ----------------------------------------------------------------------------------------------------
-
 SEED = 42
-STOP = 3  # the checkpoint is taken after step 3, as in the seed
+STOP = 3  # the checkpoint is taken after step 3
 TOTAL = 9  # 40 samples in batches of 10: epoch boundaries after steps 4 and 8
 _g = torch.Generator().manual_seed(0)
 BASE = TensorDataset(torch.randn(40, 10, generator=_g), torch.randn(40, 10, generator=_g))
 
 
 class GlobalNoiseDataset(Dataset):
-    """Form 2: the seed's RandomTransformDataset, drawing from torch's, NumPy's and Python's global RNGs."""
+    """Form 2: a random transform drawing from torch's, NumPy's and Python's global RNGs."""
 
     def __len__(self) -> int:
         return len(BASE)
@@ -134,7 +125,7 @@ def resumed_equals_uninterrupted(tmp_path: Path, form: str, num_workers: int, *,
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("form", ["global", "sample"])
-def test_seed_001_resumed_steps_equal_uninterrupted(tmp_path: Path, form: str, num_workers: int) -> None:
+def test_restore_order_resumed_steps_equal_uninterrupted(tmp_path: Path, form: str, num_workers: int) -> None:
     assert all(resumed_equals_uninterrupted(tmp_path, form, num_workers))
 
 
@@ -148,7 +139,7 @@ def test_prefetching_and_snapshot_interval(tmp_path: Path, form: str, snapshot_e
 
 def test_control_without_worker_rng_capture_differs(tmp_path: Path) -> None:
     """The comparison can fail: without the capture the resumed workers restart their global streams
-    (DESIGN trap 4), so the same samples come with other noise."""
+    (docs/design.md, "Randomness inside dataloader workers"), so the same samples come with other noise."""
     uninterrupted = run_experiment(tmp_path, "global", 2, capture=False)
     resumed = run_experiment(tmp_path, "global", 2, resume=True, capture=False)
     assert torch.equal(uninterrupted[STOP + 1][1], resumed[STOP + 1][1])  # the sample order is right
@@ -181,128 +172,3 @@ def test_global_randomness_with_warn_continues(tmp_path: Path, capsys: pytest.Ca
     resumed = run_experiment(tmp_path, "global", 1, resume=True, on_change="warn")
     assert sorted(resumed) == list(range(STOP + 1, TOTAL + 1))
     assert "WARNING: the checkpoint's dataloader ran 2 workers and this run has 1" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------------------------------
-# Part 2: the trainers
-# ----------------------------------------------------------------------------------------------------
-
-CONFIGS = ["llama_debug", "flux_debug"]
-# 32 samples in batches of 8: epoch boundaries after steps 4 and 8 of 12. Validation (Flux) is another
-# issue's concern and the slowest part of a debug run.
-COMMON = ("--data.num_samples", "32", "--training.local_batch_size", "8", "--validation.enable", "false")
-STEPS = 12
-BOUNDARY_STOP, MID_EPOCH_STOP = 4, 7
-FORM2 = ("--job.custom_module", "global_rng_spec", "--model.name", "llama_global_mask")
-FORM2_ENV = {"PYTHONPATH": str(REPO / "tests")}
-CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "5", "--lr_scheduler.total_steps", str(STEPS),
-                "--training.steps", str(STEPS))
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Uninterrupted runs, one per (config, num_workers), shared by the tests that need them."""
-    runs: dict[tuple[str, int], Path] = {}
-
-    def get(config: str, num_workers: int) -> Path:
-        if (config, num_workers) not in runs:
-            dump = tmp_path_factory.mktemp(f"{config}_A_w{num_workers}")
-            train(dump, *COMMON, "--training.steps", str(STEPS), "--data.num_workers", str(num_workers),
-                  config=config)
-            runs[config, num_workers] = dump
-        return runs[config, num_workers]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def resumed_twice(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Runs stopped exactly at an epoch boundary, resumed and stopped mid-epoch, resumed to the end."""
-    runs: dict[tuple[str, int], Path] = {}
-
-    def get(config: str, num_workers: int) -> Path:
-        if (config, num_workers) not in runs:
-            dump = tmp_path_factory.mktemp(f"{config}_B_w{num_workers}")
-            for stop in (BOUNDARY_STOP, MID_EPOCH_STOP, STEPS):
-                train(dump, *COMMON, *CHECKPOINTED, "--data.num_workers", str(num_workers),
-                      "--training.steps", str(stop), config=config)
-            runs[config, num_workers] = dump
-        return runs[config, num_workers]
-
-    return get
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("config", CONFIGS)
-def test_trainer_resumes_across_epochs(config: str, num_workers: int, uninterrupted: Callable[[str, int], Path],
-                                       resumed_twice: Callable[[str, int], Path]) -> None:
-    resumed = resumed_twice(config, num_workers)
-    result = compare(uninterrupted(config, num_workers), resumed)
-    assert result.returncode == 0, result.stdout
-    assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
-    assert {f"step-{BOUNDARY_STOP}", f"step-{MID_EPOCH_STOP}"} <= {p.name for p in (resumed / "checkpoint").iterdir()}
-
-
-@pytest.mark.parametrize("config", CONFIGS)
-def test_trainer_data_does_not_depend_on_workers(config: str, uninterrupted: Callable[[str, int], Path]) -> None:
-    result = compare(uninterrupted(config, 0), uninterrupted(config, 2))
-    assert result.returncode == 0, result.stdout
-
-
-def test_trainer_resumes_with_another_worker_count(tmp_path: Path, uninterrupted: Callable[[str, int], Path],
-                                                   resumed_twice: Callable[[str, int], Path]) -> None:
-    """Form 1: a checkpoint saved with no workers resumes exactly with two (Flux's data being form 1 is
-    shown by the test above; the mechanism is the trainer's, the same for every spec)."""
-    name = f"step-{BOUNDARY_STOP}"
-    shutil.copytree(resumed_twice("llama_debug", 0) / "checkpoint" / name, tmp_path / "checkpoint" / name)
-    train(tmp_path, *COMMON, *CHECKPOINTED, "--data.num_workers", "2")
-    result = compare(uninterrupted("llama_debug", 0), tmp_path, "--only-common-steps")
-    assert result.returncode == 0, result.stdout
-    assert sorted(read_loss_log(tmp_path)) == list(range(BOUNDARY_STOP + 1, STEPS + 1))
-
-
-@pytest.fixture(scope="module")
-def form2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A form-2 dataset (global RNGs in __getitem__) with 2 workers: uninterrupted, and stopped mid-epoch
-    with snapshots every 3 steps (the checkpoint falls between two) and resumed."""
-    run_a, run_b = tmp_path_factory.mktemp("form2_A"), tmp_path_factory.mktemp("form2_B")
-    train(run_a, *COMMON, *FORM2, "--training.steps", str(STEPS), "--data.num_workers", "2", env=FORM2_ENV)
-    for stop in (MID_EPOCH_STOP, STEPS):
-        train(run_b, *COMMON, *FORM2, *CHECKPOINTED, "--data.num_workers", "2", "--data.snapshot_every_n_steps", "3",
-              "--training.steps", str(stop), env=FORM2_ENV)
-    return run_a, run_b
-
-
-def _resume_form2_copy(run_b: Path, dump: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    name = f"step-{MID_EPOCH_STOP}"
-    shutil.copytree(run_b / "checkpoint" / name, dump / "checkpoint" / name)
-    return train(dump, *COMMON, *FORM2, *CHECKPOINTED, *overrides, env=FORM2_ENV, check=check)
-
-
-def test_trainer_form2_resumes_exactly(form2_runs: tuple[Path, Path]) -> None:
-    result = compare(*form2_runs)
-    assert result.returncode == 0, result.stdout
-
-
-def test_trainer_form2_control_without_capture_differs(form2_runs: tuple[Path, Path], tmp_path: Path) -> None:
-    run_a, run_b = form2_runs
-    _resume_form2_copy(run_b, tmp_path, "--data.num_workers", "2", "--data.capture_worker_rng", "false")
-    result = compare(run_a, tmp_path, "--only-common-steps")
-    assert result.returncode == 1
-    assert result.stdout.startswith(f"first differing step {MID_EPOCH_STOP + 1}:"), result.stdout
-
-
-def test_trainer_form2_refuses_another_worker_count(form2_runs: tuple[Path, Path], tmp_path: Path) -> None:
-    proc = _resume_form2_copy(form2_runs[1], tmp_path, "--data.num_workers", "0", check=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: the checkpoint's dataloader ran 2 workers"), proc.stderr
-    assert not (tmp_path / "loss_log.jsonl").exists()
-    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [f"step-{MID_EPOCH_STOP}"]
-
-
-def test_trainer_form2_warn_continues(form2_runs: tuple[Path, Path], tmp_path: Path) -> None:
-    proc = _resume_form2_copy(form2_runs[1], tmp_path, "--data.num_workers", "0",
-                              "--data.on_num_workers_change", "warn")
-    assert "WARNING: the checkpoint's dataloader ran 2 workers and this run has 0" in proc.stderr
-    assert sorted(read_loss_log(tmp_path)) == list(range(MID_EPOCH_STOP + 1, STEPS + 1))

@@ -25,6 +25,7 @@ def fingerprinted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return dump, proc.stdout
 
 
+@pytest.mark.e2e
 def test_every_line_has_every_rank_fingerprints(fingerprinted: tuple[Path, str]) -> None:
     records = read_loss_log(fingerprinted[0])
     assert sorted(records) == list(range(1, STEPS + 1))
@@ -39,6 +40,7 @@ def test_every_line_has_every_rank_fingerprints(fingerprinted: tuple[Path, str])
     assert records[1]["rng_fingerprint"][0]["torch_cpu"] != records[2]["rng_fingerprint"][0]["torch_cpu"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("stream", "rank", "step", "behind"),
     [("torch_cpu", 1, 5, None), ("dataloader", 0, 3, "B holds the state A had entering step 4")],
@@ -59,6 +61,7 @@ def test_deliberate_divergence_is_named(fingerprinted: tuple[Path, str], tmp_pat
         assert named[0].endswith(behind), result.stdout
 
 
+@pytest.mark.e2e
 def test_plot_marks_the_divergence(fingerprinted: tuple[Path, str], tmp_path: Path) -> None:
     a = fingerprinted[0]
     b = tmp_path / "b"
@@ -77,6 +80,7 @@ def test_plot_marks_the_divergence(fingerprinted: tuple[Path, str], tmp_path: Pa
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.e2e
 def test_plot_without_matplotlib_is_one_clear_line(fingerprinted: tuple[Path, str], tmp_path: Path) -> None:
     a = fingerprinted[0]
     # A Python where matplotlib cannot be imported (as on a machine without the [plot] extra).
@@ -98,6 +102,7 @@ def test_diagnosis_without_fingerprints_or_outside_the_streams() -> None:
     assert diagnose(a, b, 1)[0].startswith("every random stream matched on every rank entering step 1")
 
 
+@pytest.mark.e2e
 def test_progress_lines(fingerprinted: tuple[Path, str]) -> None:
     pattern = re.compile(r"step +(\d+)  loss \d+\.\d{6}  lr \d\.\d{3}e[+-]\d\d  [\d,]+ tokens/s  \d+\.\d ms/step  "
                          r"peak rss \d+\.\d\d GiB  eta \d+:\d\d:\d\d$")
@@ -110,6 +115,7 @@ def _verify(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=run_env(), timeout=600)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])
 def test_verify_resume_passes(config: str) -> None:
     proc = _verify("--config", f"train_configs/{config}.toml", "--steps", "8", "--stop-at", "4")
@@ -117,6 +123,7 @@ def test_verify_resume_passes(config: str) -> None:
     assert proc.stdout.splitlines()[-1].startswith("PASS: identical: 8 steps (1..8) with bitwise-equal losses")
 
 
+@pytest.mark.e2e
 def test_verify_resume_fails_without_rng_restore() -> None:
     proc = _verify("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4",
                    "--checkpoint.restore_rng", "false")
@@ -142,6 +149,7 @@ def test_verify_resume_bad_input(args: list[str], message: str) -> None:
     assert proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.e2e
 def test_perturbing_a_stream_the_run_lacks_is_refused(tmp_path: Path) -> None:
     proc = train(tmp_path, "--debug.perturb_rng", "device:0:3", check=False, env={"TORCHTITAN_RNG_DEVICE": "cpu"})
     assert proc.returncode == 2

@@ -3,7 +3,6 @@ complete checkpoint and exit 0, and the resubmitted run continues the same loss 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -12,24 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from checks import assert_every_line_matches
 from launch import compare, start, train, wait_for_log_lines
 from torchtitan_rng.checkpoint.manager import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
+
+pytestmark = pytest.mark.e2e
 
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "100")  # only preemption and last-step saves
 
 
 def _steps_saved(dump: Path) -> list[int]:
     return complete_steps(dump / "checkpoint")
-
-
-def _every_line_matches(uninterrupted: Path, resumed: Path) -> None:
-    """Every line ever written (a step redone after a stop appears twice) equals the uninterrupted one."""
-    reference = read_loss_log(uninterrupted)
-    for line in (resumed / "loss_log.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        assert record["loss"] == reference[record["step"]]["loss"], record
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +74,7 @@ def test_sigterm_to_torchrun_parent_exits_0_with_checkpoint(preempted: dict) -> 
 def test_resumed_log_equals_uninterrupted(uninterrupted: Path, preempted: dict) -> None:
     result = compare(uninterrupted, preempted["dump"])
     assert result.returncode == 0, result.stdout
-    _every_line_matches(uninterrupted, preempted["dump"])
+    assert_every_line_matches(uninterrupted, preempted["dump"])
 
 
 def test_control_resume_without_rng_differs(uninterrupted: Path, preempted: dict, tmp_path: Path) -> None:

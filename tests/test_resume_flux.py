@@ -9,6 +9,8 @@ import pytest
 from launch import compare, stop_and_resume, train
 from torchtitan_rng.loss_log import read_loss_log
 
+pytestmark = pytest.mark.e2e
+
 FLUX = "flux_debug"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -11,6 +12,8 @@ import torch.multiprocessing as mp
 
 from torchtitan_rng.checkpoint.manager import SafeLoadPlanner
 from torchtitan_rng.checkpoint.train_state import TrainState
+
+pytestmark = pytest.mark.e2e
 
 WORLD = 2
 
@@ -41,7 +44,7 @@ def _own_state_comes_back(rank: int, folder: Path) -> None:
 
 
 def _shared_key_loses_rank_state(rank: int, folder: Path) -> None:
-    """Control (DESIGN trap 1): the same save under one shared key hands rank 1 rank 0's state."""
+    """Control (docs/design.md, "Per-rank values need rank-unique keys"): the same save under one shared key hands rank 1 rank 0's state."""
     _init(rank, folder / "store_shared")
     torch.manual_seed(1000 + rank)
     own = torch.get_rng_state()

@@ -7,6 +7,7 @@ line naming it; the entry points turn that into exit code 2 without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 import typing
@@ -44,6 +45,8 @@ class Job:
 class Model:
     name: str = "llama"
     flavor: str = "debug"
+    # LLM vocabulary; 0 or -1: derived from the data (largest token id + 1 of a .bin, 256 for byte-level text).
+    vocab_size: int = 0
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Training:
     local_batch_size: int = 8
     seq_len: int = 64
     max_norm: float = 1.0
-    # A UTF-8 text file for the LLM trainer; empty means the text that ships with Python itself.
+    # LLM data: a .bin token file (flat little-endian uint16), a .jsonl ("text" per line) or a UTF-8 text
+    # file; empty means the text that ships with Python itself.
     dataset_path: str = ""
     # Flux: probability of replacing a caption by the empty prompt (classifier-free guidance).
     classifier_free_guidance_prob: float = 0.1
@@ -94,6 +98,10 @@ class Data:
     capture_worker_rng: bool = True
     # Form 2 and a changed num_workers cannot resume exactly; "error" refuses, "warn" continues inexactly.
     on_num_workers_change: str = "error"
+    # LLM: read dataset_path front to back (no index over the file) through a shuffle buffer of
+    # shuffle_buffer windows; position and buffer contents are saved with the checkpoint.
+    streaming: bool = False
+    shuffle_buffer: int = 256
 
 
 @dataclass
@@ -208,6 +216,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 # (key, lowest allowed value) for numbers that must not be below a bound.
 _MINIMUMS: dict[str, float] = {
+    "model.vocab_size": -1,
     "training.steps": 1,
     "training.local_batch_size": 1,
     "training.seq_len": 2,
@@ -217,6 +226,7 @@ _MINIMUMS: dict[str, float] = {
     "data.num_samples": 0,
     "data.prefetch_factor": 1,
     "data.snapshot_every_n_steps": 1,
+    "data.shuffle_buffer": 1,
     "optimizer.lr": 0,
     "lr_scheduler.warmup_steps": 0,
     "lr_scheduler.total_steps": 0,
@@ -235,6 +245,10 @@ def _convert(dotted: str, raw: Any, annotation: Any, from_cli: bool) -> Any:
     """Coerce one value to the field's type, or raise ConfigError naming the key."""
     origin = typing.get_origin(annotation)
     type_name = getattr(annotation, "__name__", str(annotation))
+    if raw is _BARE:
+        if annotation is bool:
+            return True
+        raise ConfigError(f"--{dotted} needs a value: --{dotted} VALUE (or --{dotted}=VALUE)")
     if origin is list:
         if from_cli and isinstance(raw, str):
             return [part for part in raw.split(",") if part]
@@ -287,6 +301,8 @@ def _set(config: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
 
 def _load_toml(path: str) -> dict[str, Any]:
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {path!r} is a directory; pass a TOML file to --job.config_file")
     if not file.is_file():
         raise ConfigError(f"config file {path!r} does not exist; pass an existing TOML file to --job.config_file")
     try:
@@ -295,8 +311,12 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
 
 
+# The raw value of a bare ``--a.b``: true for a boolean key, a missing value for any other.
+_BARE = object()
+
+
 def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
-    """``--a.b v``, ``--a.b=v`` and a bare ``--a.b`` (true) into (key, raw) pairs, in order."""
+    """``--a.b v``, ``--a.b=v`` and a bare ``--a.b`` (``_BARE``) into (key, raw) pairs, in order."""
     pairs: list[tuple[str, Any]] = []
     i = 0
     while i < len(argv):
@@ -312,7 +332,7 @@ def _split_cli(argv: list[str]) -> list[tuple[str, Any]]:
             pairs.append((name, argv[i + 1]))
             i += 2
         else:
-            pairs.append((name, "true"))
+            pairs.append((name, _BARE))
             i += 1
     return pairs
 
@@ -380,7 +400,7 @@ def parse_args(argv: list[str]) -> JobConfig:
     """Defaults, then the TOML file named by --job.config_file, then every other override."""
     pairs = _split_cli(argv)
     config = JobConfig()
-    config_files = [raw for name, raw in pairs if name == "job.config_file"]
+    config_files = [_convert(name, raw, str, from_cli=True) for name, raw in pairs if name == "job.config_file"]
     if config_files:
         for section_name, values in _load_toml(config_files[-1]).items():
             if not isinstance(values, dict):
@@ -391,6 +411,23 @@ def parse_args(argv: list[str]) -> JobConfig:
         _set(config, name, raw, from_cli=True)
     validate(config)
     return config
+
+
+def usage(prog: str) -> str:
+    """What ``--help`` prints: how overrides are written, then every key with its type and default."""
+    lines = [f"usage: {prog} --job.config_file FILE [--section.key VALUE ...]", "",
+             "Values come from the defaults below, then the TOML file, then the command line (last wins).",
+             "A bare --section.key sets a true/false key to true; lists are comma-separated.", ""]
+    for section in dataclasses.fields(JobConfig):
+        defaults = section.default_factory()
+        hints = typing.get_type_hints(type(defaults))
+        lines.append(f"[{section.name}]")
+        for key in _section_fields(defaults):
+            dotted = f"{section.name}.{key}"
+            type_name = "list of str" if typing.get_origin(hints[key]) is list else hints[key].__name__
+            choices = f", one of {', '.join(_CHOICES[dotted])}" if dotted in _CHOICES else ""
+            lines.append(f"  --{dotted} ({type_name}{choices}; default {json.dumps(getattr(defaults, key))})")
+    return "\n".join(lines)
 
 
 def lr_total_steps(config: JobConfig) -> int:

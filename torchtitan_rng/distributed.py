@@ -87,7 +87,7 @@ def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
 
 
 def teardown() -> None:
-    """Barrier, then destroy the group (trap 10: close dataloader iterators before calling this)."""
+    """Barrier, then destroy the group; close dataloader iterators first (docs/design.md, "Teardown order")."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ The pieces it bundles (TrainState, CheckpointManager, ResumableDataLoader) stay 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ from torchtitan_rng.checkpoint.manager import (
     Stateful,
     resolve_checkpoint,
 )
-from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import rank_and_world_size
@@ -69,7 +69,11 @@ class _PlainIndices(Dataset):
 def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
                      shuffle: bool = True, sample_keys: bool | None = None, prefetch_factor: int = 2,
                      capture_worker_rng: bool = True, on_num_workers_change: str = "error",
-                     dp_rank: int | None = None, dp_world: int | None = None) -> ResumableDataLoader:
+                     dp_rank: int | None = None, dp_world: int | None = None,
+                     collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                     drop_last: bool = True, timeout: float = 0,
+                     worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
+                     persistent_workers: bool = False) -> ResumableDataLoader:
     """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
     that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
 
@@ -90,9 +94,16 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
             ``num_workers``) or "warn" (continue inexactly).
         dp_rank, dp_world: this rank and the number of data-parallel ranks; by default the rank and world
             size of the initialised process group (0 and 1 without one).
+        collate_fn, pin_memory, timeout, multiprocessing_context, persistent_workers: as for ``DataLoader``.
+        drop_last: True, the only choice: every batch is full, because the sampler runs over epochs without
+            end and a batch may span two epochs, so there is never a partial last batch to drop or keep.
+        worker_init_fn: yours runs in each worker after ours (which makes the worker ignore the signals its
+            rank checkpoints on).
 
-    The loader yields forever: stop after your last step, not at the end of an epoch.
+    The loader yields forever: stop after your last step, not at the end of an epoch. An IterableDataset
+    is refused with a TypeError: resuming needs the indices of a map-style dataset.
     """
+    require_map_style(dataset)
     if sample_keys is None:
         sample_keys = isinstance(dataset, SampleRandomDataset)
     rank, world = rank_and_world_size()
@@ -106,6 +117,13 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         prefetch_factor=prefetch_factor,
         shuffle=shuffle,
         on_num_workers_change=on_num_workers_change,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        timeout=timeout,
+        worker_init_fn=worker_init_fn,
+        multiprocessing_context=multiprocessing_context,
+        persistent_workers=persistent_workers,
     )
 
 

@@ -1,20 +1,19 @@
 """Every random stream of a run, in one place.
 
-Two kinds of stream (see README "Where randomness lives"):
+Two kinds of stream (the reasoning: docs/design.md, "Where randomness lives"):
 
 * Global streams, captured per rank at a step boundary and restored last before the first resumed step:
   Python ``random``, NumPy's global RNG, torch's CPU generator, this rank's device generator (through
   ``device.py``), and generators registered by name with :func:`register_generator`.
-* Derived streams: a generator seeded from ``(seed, purpose, indices...)`` by :func:`derive_seed`. They do
+* Derived streams: a generator seeded from ``(root seed, purpose, keys...)`` by :func:`derive_seed`. They do
   not depend on worker count, prefetching or what ran before, so they resume exactly with no saved state.
 
-Which streams are shared across ranks and which are per rank (the one place this is written down):
-
-* shared by all ranks: model initialisation (``seed_model_init``), the sampler's epoch permutation and the
-  Flux validation batch (derived from ``seed`` without a rank);
-* per rank: the global training streams (dropout, diffusion noise, timesteps, prompt dropout) seeded by
-  ``seed_training_streams`` from ``derive_seed(seed, "training-streams", rank)``, and the dataloader's
-  worker seeds (``derive_seed(seed, "dataloader", dp_rank)``).
+Every derived stream of this project is a row of ``STREAMS`` below (purpose, root seed, shared or per
+rank, what it feeds) and is drawn by its purpose with :func:`stream_seed`, :func:`stream_generator` or
+:func:`frozen_generator`; an unknown purpose is an error. The root is the run's seed (``debug.seed``) or
+``FROZEN_SEED`` for what must not change with the seed. docs/design.md shows the same table (a test keeps
+them equal). A user's own purposes (``SampleRandomDataset(seed, "my-purpose")``, :func:`derived_generator`)
+are free-form and need no row.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import random
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -29,7 +29,49 @@ import torch
 
 from torchtitan_rng import device as device_lib
 
-_registered: dict[str, torch.Generator] = {}
+# The root of streams that must be the same in every run whatever ``debug.seed`` is (frozen encoders, the
+# synthetic data's content); changing it changes every such stream.
+FROZEN_SEED = 20240801
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One row of the table: a derived stream's purpose and where its numbers go."""
+
+    purpose: str
+    root: str  # "run": the run's seed; "frozen": FROZEN_SEED
+    scope: str  # "shared", "per rank", "per stream" (a rank's or worker's share of a stream) or "per sample"
+    keys: tuple[str, ...]  # what follows the purpose in derive_seed, in order
+    feeds: str
+
+
+STREAMS: dict[str, Stream] = {
+    stream.purpose: stream
+    for stream in (
+        Stream("model-init", "run", "shared", (), "the global torch generator while the model is built: "
+               "identical initial weights on every rank"),
+        Stream("training-streams", "run", "per rank", ("rank",), "the global streams of a fresh run (dropout, "
+               "Flux noise, timesteps and prompt dropout)"),
+        Stream("reseed", "run", "per rank", ("step",), "a resume that cannot restore the global streams (no RNG "
+               "state, another process count or device type): the root of its fresh training-streams"),
+        Stream("dataloader", "run", "per rank", ("dp_rank",), "the dataloader's own generator: its workers' base "
+               "seeds"),
+        Stream("sampler", "run", "shared", ("epoch",), "the epoch's permutation of the samples (each rank takes "
+               "its share)"),
+        Stream("llm-window", "run", "per sample", ("sample key",), "the Llama dataset's random window offset"),
+        Stream("stream-shuffle", "run", "per stream", ("stream", "epoch"), "the streaming source's draws from its "
+               "shuffle buffer (one stream per rank and worker)"),
+        Stream("flux-augment", "run", "per sample", ("sample key",), "the Flux dataset's crop, flip and caption "
+               "template"),
+        Stream("flux-validation", "run", "shared", (), "the Flux validation batch's noise, timesteps and "
+               "sampling start"),
+        Stream("flux-content", "frozen", "shared", ("index",), "the Flux dataset's scenes (fixed data, like a "
+               "dataset on disk)"),
+        Stream("flux-autoencoder", "frozen", "shared", (), "the frozen Flux autoencoder's channel mix"),
+        Stream("flux-t5", "frozen", "shared", (), "the frozen T5-like text encoder's weights"),
+        Stream("flux-clip", "frozen", "shared", (), "the frozen CLIP-like text encoder's weights"),
+    )
+}
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
@@ -48,6 +90,53 @@ def derived_numpy_generator(seed: int, *keys: int | str) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *keys))
 
 
+def _row(purpose: str, root: str) -> Stream:
+    """The table's row for ``purpose``; a ValueError naming the table when there is none or its root differs."""
+    stream = STREAMS.get(purpose)
+    if stream is None:
+        raise ValueError(f"{purpose!r} is not a random-stream purpose of this project; add a row to STREAMS in "
+                         f"torchtitan_rng/rng.py (known: {', '.join(STREAMS)})")
+    if stream.root != root:
+        drawn_by = "stream_seed or stream_generator" if stream.root == "run" else "frozen_generator"
+        raise ValueError(f"random stream {purpose!r} has the {stream.root} root: draw it with {drawn_by}")
+    return stream
+
+
+def _checked_keys(stream: Stream, keys: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    if len(keys) != len(stream.keys):
+        wanted = ", ".join(stream.keys) or "no keys"
+        raise ValueError(f"random stream {stream.purpose!r} takes {wanted}; got {len(keys)} key(s)")
+    return keys
+
+
+def stream_seed(purpose: str, seed: int, *keys: int | str) -> int:
+    """The seed of the run-rooted stream ``purpose`` of the table: ``derive_seed(seed, purpose, *keys)``."""
+    return derive_seed(seed, purpose, *_checked_keys(_row(purpose, "run"), keys))
+
+
+def stream_generator(purpose: str, seed: int, *keys: int | str,
+                     device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch generator seeded with :func:`stream_seed`."""
+    return torch.Generator(device=device).manual_seed(stream_seed(purpose, seed, *keys))
+
+
+def frozen_generator(purpose: str, *keys: int | str) -> torch.Generator:
+    """A CPU generator for a frozen-rooted stream of the table: the same in every run, whatever the seed."""
+    keys = _checked_keys(_row(purpose, "frozen"), keys)
+    return torch.Generator().manual_seed(derive_seed(FROZEN_SEED, purpose, *keys))
+
+
+def sample_purpose(purpose: str) -> str:
+    """``purpose`` once checked to be a per-sample row of the table: what a project dataset passes to
+    ``SampleRandomDataset``, whose per-sample generators are ``derive_seed(seed, purpose, key)``."""
+    if _row(purpose, "run").scope != "per sample":
+        raise ValueError(f"random stream {purpose!r} is not drawn per sample: draw it with stream_generator")
+    return purpose
+
+
+_registered: dict[str, torch.Generator] = {}
+
+
 def register_generator(name: str, generator: torch.Generator) -> None:
     """Make ``generator`` part of the captured global streams (saved and restored with the checkpoint)."""
     _registered[name] = generator
@@ -59,12 +148,12 @@ def registered_generators() -> dict[str, torch.Generator]:
 
 def seed_model_init(seed: int) -> None:
     """Shared across ranks: every rank builds the same initial weights."""
-    torch.manual_seed(derive_seed(seed, "model-init"))
+    torch.manual_seed(stream_seed("model-init", seed))
 
 
 def seed_training_streams(seed: int, rank: int) -> None:
     """Per rank: the global streams a fresh run trains with (a resumed run restores them instead)."""
-    rank_seed = derive_seed(seed, "training-streams", rank)
+    rank_seed = stream_seed("training-streams", seed, rank)
     random.seed(rank_seed)
     np.random.seed(rank_seed % (1 << 32))
     torch.manual_seed(rank_seed)  # also seeds every accelerator generator
@@ -124,7 +213,7 @@ def restore_global_rng(state: dict[str, Any], device: torch.device, *, include_d
 
 @contextmanager
 def preserved_global_rng(device: torch.device) -> Iterator[None]:
-    """Run a block (validation, sampling, logging) without moving any training stream (DESIGN trap 6)."""
+    """Run a block (validation, sampling, logging) without moving any training stream (docs/design.md, "Validation forks the streams")."""
     saved = capture_global_rng(device)
     try:
         yield

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_rng.config import ConfigError, parse_args
+from torchtitan_rng.config import ConfigError, parse_args, usage
 from torchtitan_rng.launch import preemption
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(usage("python -m torchtitan_rng.train"))
+        return 0
     preemption.install()
     try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
+        config = parse_args(args)
         preemption.install(config.signals.checkpoint_on)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -26,6 +26,7 @@ from torchtitan_rng.checkpoint.manager import (
 )
 from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
 from torchtitan_rng.fault_injection import fault_point
@@ -66,7 +67,7 @@ def _take_run_lock(world: World, dump_folder: Path) -> None:
 
 
 def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState,
-            dataloader: ResumableDataLoader) -> resume_policy.StreamPlan:
+            dataloader: ResumableDataLoader | StreamingDataLoader) -> resume_policy.StreamPlan:
     """Load the checkpoint to resume from, if any; the plan says how the random streams start."""
     ckpt = config.checkpoint
     if not ckpt.enable:
@@ -116,19 +117,21 @@ def train(config: JobConfig) -> int:
     optimizer = build_optimizer(params, config)
     lr_scheduler = build_lr_scheduler(optimizer, config)
 
-    dataloader = ResumableDataLoader(
+    dataset = spec.build_dataset(config)
+    loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
+                   "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
+                   "prefetch_factor": config.data.prefetch_factor,
+                   # The loader counts micro-batches: the user's cadence is in optimizer steps.
+                   "snapshot_every_n_steps": config.data.snapshot_every_n_steps * accumulation}
+    dataloader: ResumableDataLoader | StreamingDataLoader
+    if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
+        dataloader = StreamingDataLoader(dataset, **loader_args)
+    elif config.data.streaming:
+        raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
+    else:
         # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-        with_worker_rng(spec.build_dataset(config), config.data.capture_worker_rng),
-        batch_size=config.training.local_batch_size,
-        dp_rank=world.dp_rank,
-        dp_world=world.dp_world,
-        seed=config.debug.seed,
-        num_workers=config.data.num_workers,
-        prefetch_factor=config.data.prefetch_factor,
-        # The loader counts micro-batches: its snapshot cadence is the user's, in optimizer steps, times those.
-        snapshot_every_n_steps=config.data.snapshot_every_n_steps * accumulation,
-        on_num_workers_change=config.data.on_num_workers_change,
-    )
+        dataloader = ResumableDataLoader(with_worker_rng(dataset, config.data.capture_worker_rng), **loader_args,
+                                         on_num_workers_change=config.data.on_num_workers_change)
     probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
                         dataloader=dataloader)
     train_state = TrainState(world.device, world.rank, world.world_size)
@@ -202,7 +205,7 @@ def train(config: JobConfig) -> int:
     checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
     if loss_log is not None:
         loss_log.close()
-    del data_iter  # shuts its workers down before the process group goes (trap 10)
+    del data_iter  # shuts its workers down before the process group goes (docs/design.md, "Teardown order")
     teardown()
     if stopped_at is not None:
         _log(world, f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "

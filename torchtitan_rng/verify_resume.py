@@ -7,6 +7,9 @@ Runs, in a temporary folder, A: N steps uninterrupted, and B: the same stopped a
 written there) and resumed to N, both with the learning-rate horizon pinned and RNG fingerprints on. Prints
 PASS or FAIL with the diagnosis (the first differing step, and which random stream on which rank differed
 first) and exits 0 (PASS), 1 (FAIL) or 2 (bad input, or a run refused its configuration).
+
+--nproc P runs each leg with P processes (torchrun); --keep DIR keeps both runs in DIR (new or empty).
+Every other option is a config override given to all runs; relative paths mean the current directory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.launch.runs import EntryScriptMissing, run_training
+from torchtitan_rng.launch.runs import run_training
 from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log
 
 USAGE = ("usage: python -m torchtitan_rng.verify_resume --config F --steps N --stop-at K [--nproc P] "
@@ -76,7 +79,7 @@ def parse_request(argv: list[str]) -> Request:
     if missing:
         raise ConfigError(f"missing {', '.join(missing)}; {USAGE}")
     request = Request(
-        # Absolute: the runs start in the repository root, as run_train.sh does (so do other relative paths).
+        # Absolute for the report; the runs start in this directory, so relative overrides mean it too.
         config=Path(own["--config"]).resolve(),
         steps=_int("--steps", own["--steps"], 2),
         stop_at=_int("--stop-at", own["--stop-at"], 1),
@@ -146,12 +149,16 @@ def verify(request: Request, work: Path) -> tuple[bool, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip())
+        return 0
     try:
-        request = parse_request(sys.argv[1:] if argv is None else argv)
+        request = parse_request(args)
         with tempfile.TemporaryDirectory(prefix="verify_resume_") as scratch:
             work = request.keep if request.keep is not None else Path(scratch)
             passed, report = verify(request, work)
-    except (ConfigError, EntryScriptMissing, LossLogError) as err:
+    except (ConfigError, LossLogError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunFailed as err:

@@ -27,7 +27,7 @@ from typing import Callable
 from torchtitan_rng.checkpoint.manager import CheckpointError, LoadResult, verify_checkpoint
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.data.sampler import ResumableBatchSampler
-from torchtitan_rng.rng import derive_seed, seed_training_streams
+from torchtitan_rng.rng import seed_training_streams, stream_seed
 from torchtitan_rng.checkpoint.train_state import TrainState
 
 _RANK_ENTRY = re.compile(r"^train_state\.rank_\d+$")
@@ -105,13 +105,16 @@ def start_streams(plan: StreamPlan, train_state: TrainState, seed: int, rank: in
     if plan.mode == "fresh":
         seed_training_streams(seed, rank)
         return
-    seed_training_streams(derive_seed(seed, "reseed", plan.step), rank)
+    seed_training_streams(stream_seed("reseed", seed, plan.step), rank)
     if plan.mode == "host_only":
         train_state.restore_rng(include_device=False)
 
 
-def reposition_sampler(sampler: ResumableBatchSampler, step: int, saved_world: int) -> None:
+def reposition_sampler(sampler: object, step: int, saved_world: int) -> None:
     """Keep the data's global position in the epoch when the process count changed (see above)."""
+    if not isinstance(sampler, ResumableBatchSampler):  # a streaming source's split is part of its state
+        raise CheckpointError(f"a streaming source (data.streaming) cannot be re-split over another process "
+                              f"count: resume with {saved_world} processes")
     per_rank_before = sampler.num_samples // saved_world
     epoch, position = divmod(step * sampler.batch_size, per_rank_before)
     per_rank_now = sampler.num_samples // sampler.dp_world

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.stateful_dataloader import (
     _SAMPLER_ITER_STATE,
@@ -18,7 +17,7 @@ from torchtitan_rng.config import ConfigError
 from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
-from torchtitan_rng.rng import derive_seed
+from torchtitan_rng.rng import stream_generator
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 
@@ -28,6 +27,32 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 def dp_rank_key(dp_rank: int) -> str:
     return f"dp_rank_{dp_rank}"
+
+
+def require_map_style(dataset: Any) -> None:
+    """A TypeError in one line unless ``dataset`` is map-style: the sampler's position is what resumes."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else "not map-style"
+        raise TypeError(
+            f"the dataset is {kind} ({type(dataset).__name__}): a resumable dataloader needs a map-style dataset "
+            "(__len__ and __getitem__(index)), whose order it draws and saves per rank; index your data in a "
+            "torch.utils.data.Dataset"
+        )
+
+
+class _WorkerInit:
+    """Ours first (a worker ignores the signals its rank checkpoints on), then the user's ``worker_init_fn``.
+
+    A class, not a closure, so that it pickles for the ``spawn`` and ``forkserver`` contexts.
+    """
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_checkpoint_signals(worker_id)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
 
 
 def _sampler_after_last_batch(loader_state: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -57,7 +82,18 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def __init__(self, dataset: Dataset, *, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                  num_workers: int = 0, prefetch_factor: int = 2, snapshot_every_n_steps: int = 1,
-                 shuffle: bool = True, on_num_workers_change: str = "error") -> None:
+                 shuffle: bool = True, on_num_workers_change: str = "error",
+                 collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = True, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
+                 persistent_workers: bool = False) -> None:
+        require_map_style(dataset)
+        if not drop_last:
+            # The batch sampler runs over epochs without end, so an epoch's tail opens the next batch.
+            raise ValueError(
+                "drop_last=False asks for a partial last batch per epoch, and this loader makes none: every batch "
+                "is full (a batch may span two epochs); leave drop_last at True"
+            )
         self.dp_rank = dp_rank
         self.num_workers_configured = num_workers
         self.on_num_workers_change = on_num_workers_change
@@ -68,10 +104,15 @@ class ResumableDataLoader(StatefulDataLoader):
             batch_sampler=sampler,
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            generator=torch.Generator().manual_seed(derive_seed(seed, "dataloader", dp_rank)),
+            generator=stream_generator("dataloader", seed, dp_rank),
             snapshot_every_n_steps=snapshot_every_n_steps,
             # A cluster signals every process of a job; the rank decides when to stop, not its workers.
-            worker_init_fn=ignore_checkpoint_signals,
+            worker_init_fn=_WorkerInit(worker_init_fn),
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            multiprocessing_context=multiprocessing_context,
+            persistent_workers=persistent_workers,
         )
         # Batches handed out since construction or the last load_state_dict: a restore of the global RNG
         # after one was fetched comes too late for that batch (resume.ExactResume refuses it).
@@ -91,6 +132,9 @@ class ResumableDataLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batches_since_load = 0
         state = decode_state(state_dict[dp_rank_key(self.dp_rank)])
+        if state.get("stream"):
+            raise ConfigError("the checkpoint's data came from a streaming source (data.streaming) and this run "
+                              "uses the map-style dataset: resume with --data.streaming, or start a new run")
         saved_workers = int(state["num_workers"])
         if state["loader"] is None:  # saved before its first batch: a fresh loader is that state
             return

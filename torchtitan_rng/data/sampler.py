@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import stream_generator
 
 
 def split_sample_key(key: int, num_samples: int) -> tuple[int, int]:
@@ -43,7 +43,7 @@ class ResumableBatchSampler:
     def _keys_of_epoch(self) -> list[int]:
         if self._epoch_keys is None:
             if self.shuffle:
-                order = torch.randperm(self.num_samples, generator=derived_generator(self.seed, "sampler", self.epoch))
+                order = torch.randperm(self.num_samples, generator=stream_generator("sampler", self.seed, self.epoch))
             else:
                 order = torch.arange(self.num_samples)
             per_rank = self.num_samples // self.dp_world

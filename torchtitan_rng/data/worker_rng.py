@@ -3,9 +3,9 @@
 A dataset whose ``__getitem__`` draws from the global RNGs (``torch.rand``, ``np.random``, ``random``)
 runs, with workers, on each worker's own copy of them. StatefulDataLoader re-seeds a resumed worker from
 ``base_seed + worker_id``, so without help those streams restart from the start of the run while the sample
-order is right (DESIGN trap 4). It does save a ``state_dict()`` of the dataset *inside each worker* with
-that worker's snapshot and hands it back to the same worker on resume: :class:`WorkerRNGDataset` puts the
-worker's Python, NumPy and torch CPU streams there.
+order is right (docs/design.md, "Randomness inside dataloader workers"). It does save a ``state_dict()`` of
+the dataset *inside each worker* with that worker's snapshot and hands it back to the same worker on
+resume: :class:`WorkerRNGDataset` puts the worker's Python, NumPy and torch CPU streams there.
 
 In the main process (``num_workers = 0``) those streams are the training streams, which TrainState
 captures at the step boundary and restores last; the wrapper then stores and restores nothing, so that

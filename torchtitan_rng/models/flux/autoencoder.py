@@ -10,11 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import frozen_generator
 
-# Frozen weights come from their own generator, never the global one: they are the same in every run and on
-# every rank, and building them does not shift the stream the trainable weights are drawn from.
-FROZEN_SEED = 20240801
 DOWNSCALE = 2
 LATENT_CHANNELS = 3 * DOWNSCALE * DOWNSCALE
 
@@ -28,7 +25,9 @@ def _random_orthogonal(size: int, generator: torch.Generator) -> torch.Tensor:
 class Autoencoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        mix = _random_orthogonal(LATENT_CHANNELS, derived_generator(FROZEN_SEED, "flux-autoencoder"))
+        # Its own frozen generator, never the global one: the same in every run and on every rank, and building
+        # it does not shift the stream the trainable weights are drawn from.
+        mix = _random_orthogonal(LATENT_CHANNELS, frozen_generator("flux-autoencoder"))
         self.mix = nn.Parameter(mix, requires_grad=False)
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:

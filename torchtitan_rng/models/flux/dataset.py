@@ -2,7 +2,7 @@
 
 Sample-key protocol: ``dataset[key]`` with ``key = epoch * len(dataset) + index``. The scene depends on
 ``index`` only; every augmentation draw (crop, flip, caption template) comes from
-``derived_generator(seed, "flux-augment", key)``. Nothing touches the global RNGs, so a sample is the same
+the per-sample stream ``"flux-augment"`` (``rng.STREAMS``). Nothing touches the global RNGs, so a sample is the same
 whichever worker makes it and whenever, and a resumed run sees exactly the samples the first run would have.
 """
 
@@ -15,9 +15,8 @@ import torch.nn.functional as F
 
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
-from torchtitan_rng.models.flux.autoencoder import FROZEN_SEED
 from torchtitan_rng.models.flux.text_encoders import tokenize
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import frozen_generator, sample_purpose
 
 DEFAULT_NUM_SAMPLES = 64
 SHAPES = ("square", "circle", "triangle")
@@ -60,7 +59,7 @@ class Scene:
 
 def scene_for_index(index: int) -> Scene:
     """The scene of sample ``index``: fixed data, independent of the run's seed, like a dataset on disk."""
-    g = derived_generator(FROZEN_SEED, "flux-content", index)
+    g = frozen_generator("flux-content", index)
     draws = torch.rand(8, generator=g).tolist()
     return Scene(
         shape=SHAPES[int(draws[0] * len(SHAPES))],
@@ -99,7 +98,7 @@ def caption(scene: Scene, template: int) -> str:
 
 class FluxDataset(SampleRandomDataset):
     def __init__(self, config: JobConfig) -> None:
-        super().__init__(config.debug.seed, "flux-augment")
+        super().__init__(config.debug.seed, sample_purpose("flux-augment"))
         self.image_size = config.training.image_size
         self.num_samples = config.data.num_samples or DEFAULT_NUM_SAMPLES
         self.pad = max(1, self.image_size // 8)

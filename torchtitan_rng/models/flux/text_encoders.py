@@ -1,6 +1,6 @@
 """Frozen stand-ins for Flux's text encoders: a T5-like sequence encoder and a CLIP-like pooled encoder.
 
-Weights come from a fixed local generator (see ``autoencoder.FROZEN_SEED``) and tokenisation is done in code,
+Weights come from frozen-rooted generators (``rng.STREAMS``: ``flux-t5``, ``flux-clip``) and tokenisation is done in code,
 so nothing is downloaded and every rank and every run has the same encoders.
 """
 
@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rng.models.flux.autoencoder import FROZEN_SEED
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import frozen_generator
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB_SIZE = 1024
@@ -43,7 +42,7 @@ class T5Encoder(nn.Module):
 
     def __init__(self, dim: int = 64, heads: int = 4) -> None:
         super().__init__()
-        g = derived_generator(FROZEN_SEED, "flux-t5")
+        g = frozen_generator("flux-t5")
         self.heads = heads
         self.embed = nn.Parameter(torch.randn(VOCAB_SIZE, dim, generator=g), requires_grad=False)
         self.wqkv = _frozen_normal(g, 3 * dim, dim)
@@ -68,7 +67,7 @@ class ClipEncoder(nn.Module):
 
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
-        g = derived_generator(FROZEN_SEED, "flux-clip")
+        g = frozen_generator("flux-clip")
         self.embed = nn.Parameter(torch.randn(VOCAB_SIZE, dim, generator=g), requires_grad=False)
         self.proj = _frozen_normal(g, dim, dim)
 

@@ -1,6 +1,6 @@
 """Validation: a fixed loss on held-out samples and a picture of what the model generates.
 
-Everything random here comes from ``derived_generator(seed, "flux-validation")``, so validation consumes
+Everything random here comes from the stream ``"flux-validation"`` (``rng.STREAMS``), so validation consumes
 nothing from the global streams the trainer checkpoints: a run with validation every N steps trains
 bit-identically to one without. Every rank runs the same forwards (FSDP needs all ranks in each all-gather);
 only rank 0 writes the picture.
@@ -20,7 +20,7 @@ from torchtitan_rng.models.flux.dataset import FluxDataset
 from torchtitan_rng.models.flux.model import FluxModel
 from torchtitan_rng.models.flux.png import write_png
 from torchtitan_rng.models.flux.text_encoders import tokenize
-from torchtitan_rng.rng import derived_generator
+from torchtitan_rng.rng import stream_generator
 
 NUM_SAMPLES = 4
 # Held-out scene indices: training keys reduce to indices below len(dataset), far smaller than this.
@@ -65,7 +65,7 @@ def validate(
             latents = model.autoencoder.encode(images)
             txt, pooled = model.text_encoders(tokens)
             # Drawn on the CPU from a derived generator, so they are identical on every rank and device type.
-            g = derived_generator(config.debug.seed, "flux-validation", device="cpu")
+            g = stream_generator("flux-validation", config.debug.seed)
             noise = torch.randn(latents.shape, generator=g).to(device)
             t = torch.rand(NUM_SAMPLES, generator=g).to(device)
             start = torch.randn(latents.shape, generator=g).to(device)

@@ -1,6 +1,8 @@
-"""The ``llama`` train spec: next-byte prediction over a text with the small Llama decoder."""
+"""The ``llama`` train spec: next-token prediction over token files or byte-level text with the small Llama decoder."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtitan_rng.config import ConfigError, JobConfig
-from torchtitan_rng.models.llama.dataset import ByteWindowDataset, load_corpus
+from torchtitan_rng.data.token_files import vocab_size
+from torchtitan_rng.models.llama.dataset import build_text_dataset
 from torchtitan_rng.models.llama.model import FLAVORS, Llama
 from torchtitan_rng.train_spec import Batch, TrainSpec, register_train_spec
 
@@ -19,18 +22,8 @@ def build_llama(config: JobConfig) -> Llama:
     args = FLAVORS[config.model.flavor]
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(f"config training.seq_len = {config.training.seq_len} exceeds {args.max_seq_len}")
-    return Llama(args)
-
-
-def build_text_dataset(config: JobConfig) -> ByteWindowDataset:
-    try:
-        corpus = load_corpus(config.training.dataset_path)
-    except OSError as err:
-        raise ConfigError(f"config training.dataset_path: cannot read {config.training.dataset_path!r} ({err.strerror})") from None
-    try:
-        return ByteWindowDataset(corpus, config.training.seq_len, config.debug.seed, config.data.num_samples)
-    except ValueError as err:
-        raise ConfigError(f"config training.dataset_path: {err}") from None
+    # The vocabulary follows the data (model.vocab_size 0: derived from it; set: checked against it).
+    return Llama(replace(args, vocab_size=vocab_size(config.training.dataset_path, config.model.vocab_size)))
 
 
 def llama_loss(model: nn.Module, batch: Batch, config: JobConfig) -> torch.Tensor:

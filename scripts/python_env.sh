@@ -1,0 +1,67 @@
+# Sourced by run_train.sh and run_tests.sh: `use_python MODULE...` sets PYTHON to an interpreter that can
+# import every MODULE, so that a fresh clone on a machine with only Python 3 works as the README says.
+#   PYTHON set     -> that one, or one line and exit 2 when it lacks a module;
+#   otherwise      -> .venv in the repository, else python or python3 on PATH, when it has them all;
+#   none has them  -> set up .venv on first use (torch, then this project with its test and plot extras).
+# TORCHTITAN_RNG_TORCH: what that set-up asks pip for torch (default: torch==2.13.0, a CPU build here;
+# "torch>=2.11" where nvidia-smi sees a GPU). It is split into words, so pip options may follow.
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+_fail() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+# Whether interpreter $1 is Python >= 3.10 and finds every module after it (without importing them: fast).
+_has_modules() {
+  local py=$1
+  shift
+  "$py" - "$@" >/dev/null 2>&1 <<'EOF'
+import importlib.util
+import sys
+
+needed = sys.argv[1:] + (["tomli"] if sys.version_info < (3, 11) else [])
+sys.exit(0 if sys.version_info >= (3, 10) and all(importlib.util.find_spec(name) for name in needed) else 1)
+EOF
+}
+
+_set_up_venv() {
+  local venv=$REPO/.venv base torch_req
+  base=$(command -v python3 || command -v python) || _fail "no python3 on PATH; install Python 3.10 or newer"
+  "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || _fail "$base is Python $("$base" -c 'import platform; print(platform.python_version())'); this project needs 3.10 or newer (or set PYTHON=...)"
+  torch_req=${TORCHTITAN_RNG_TORCH:-}
+  if [ -z "$torch_req" ]; then
+    if nvidia-smi -L 2>/dev/null | grep -q GPU; then torch_req="torch>=2.11"; else torch_req="torch==2.13.0"; fi
+  fi
+  echo "$(basename "$0"): no Python here has torch and torchdata; setting up $venv ($torch_req, then this project) once, log in $venv/setup.log"
+  local out
+  out=$("$base" -m venv "$venv" 2>&1) \
+    || _fail "'$base -m venv $venv' failed ($(echo "$out" | tail -n 1)); install the venv module (Debian/Ubuntu: apt install python3-venv) or set PYTHON=..."
+  local log=$venv/setup.log
+  # shellcheck disable=SC2086  # word splitting lets TORCHTITAN_RNG_TORCH carry pip options
+  "$venv/bin/python" -m pip install $torch_req >"$log" 2>&1 \
+    || _fail "installing $torch_req into $venv failed (last line: $(tail -n 1 "$log")); see $log, or set TORCHTITAN_RNG_TORCH"
+  "$venv/bin/python" -m pip install -e "$REPO[test,plot]" >>"$log" 2>&1 \
+    || _fail "installing this project into $venv failed (last line: $(tail -n 1 "$log")); see $log"
+}
+
+use_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    command -v "$PYTHON" >/dev/null || _fail "PYTHON=$PYTHON is not a program; set it to a Python interpreter or unset it"
+    _has_modules "$PYTHON" "$@" \
+      || _fail "PYTHON=$PYTHON cannot import $* (or is older than Python 3.10); install them there (pip install -e \"$REPO[test,plot]\") or unset PYTHON to have $REPO/.venv set up"
+    return
+  fi
+  local candidate
+  for candidate in "$REPO/.venv/bin/python" python python3; do
+    if command -v "$candidate" >/dev/null && _has_modules "$candidate" "$@"; then
+      PYTHON=$candidate
+      return
+    fi
+  done
+  _set_up_venv
+  PYTHON=$REPO/.venv/bin/python
+  _has_modules "$PYTHON" "$@" || _fail "$REPO/.venv was set up but cannot import $*; see $REPO/.venv/setup.log"
+}

@@ -1,0 +1,85 @@
+"""The public surface: a light import, every name documented and typed, the API's one-line refusals, and
+an in-process resume through ExactResume and build_dataloader."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchtitan_rng
+from launch import REPO, run_env
+
+
+def test_import_is_light() -> None:
+    code = "import sys, torchtitan_rng; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=run_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_every_public_name_resolves_is_documented_and_typed() -> None:
+    api_doc = (REPO / "docs" / "api.md").read_text()
+    for name in torchtitan_rng.__all__:
+        value = getattr(torchtitan_rng, name)
+        doc = (value.__doc__ or "").strip()
+        assert doc and not doc.startswith(f"{name}("), f"{name} has no docstring of its own"
+        assert f"`{name}" in api_doc, f"{name} is missing from docs/api.md"
+    # The TYPE_CHECKING imports (for editors and type checkers) name exactly the exported names.
+    tree = ast.parse((REPO / "torchtitan_rng" / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name for node in block.body for alias in node.names}
+    assert typed == set(torchtitan_rng.__all__)
+
+
+class GlobalNoise(torch.utils.data.Dataset):
+    """A user's dataset that draws from the global torch RNG in __getitem__ (here: in a worker)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return index + torch.rand(())
+
+
+def test_restore_after_a_step_is_refused(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    exact = torchtitan_rng.ExactResume(tmp_path, model=model, interval=1, seed=0)
+    exact.maybe_save(1, last_step=3)
+    with pytest.raises(torchtitan_rng.RestoreOrderError, match="after step 1 ran"):
+        exact.restore_rng()
+
+
+def test_plain_dataloader_is_refused(tmp_path: Path) -> None:
+    loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    with pytest.raises(TypeError, match="build it with torchtitan_rng.build_dataloader"):
+        torchtitan_rng.ExactResume(tmp_path, model=nn.Linear(2, 2), dataloader=loader, interval=1)  # type: ignore[arg-type]
+
+
+def test_in_process_resume_restores_streams_position_and_worker_rng(tmp_path: Path) -> None:
+    """Save at a step boundary, start over in fresh objects with other streams: the next batch (position and
+    the worker's global-RNG noise) and the next main-process draw are the uninterrupted ones."""
+    def build() -> tuple[torchtitan_rng.ExactResume, torchtitan_rng.ResumableDataLoader]:
+        loader = torchtitan_rng.build_dataloader(GlobalNoise(), batch_size=3, seed=5, num_workers=1)
+        return torchtitan_rng.ExactResume(tmp_path, model=nn.Linear(2, 2), dataloader=loader, interval=2, seed=5), loader
+
+    exact, loader = build()
+    exact.restore_rng()
+    batches = iter(loader)
+    next(batches), next(batches)
+    exact.maybe_save(2, last_step=4)
+    expected_batch, expected_draw = next(batches), torch.rand(4)
+    del batches
+
+    torch.manual_seed(123)  # another process's streams
+    exact, loader = build()
+    assert exact.load() == 2
+    batches = iter(loader)
+    assert exact.restore_rng() is True
+    assert torch.equal(next(batches), expected_batch)
+    assert torch.equal(torch.rand(4), expected_draw)
