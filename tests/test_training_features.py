@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from checks import assert_every_line_matches, assert_refused, float_bits
 from launch import train
 from torchtitan_rng.loss_log import read_loss_log
 
@@ -23,10 +24,6 @@ ALL_TOGETHER = ("--compile.enable", "--activation_checkpoint.mode", "selective",
                 "--training.mixed_precision_param", "bfloat16")
 
 
-def loss_bits(dump: Path) -> dict[int, str]:
-    return {step: float(record["loss"]).hex() for step, record in sorted(read_loss_log(dump).items())}
-
-
 def assert_resume_exact_with_control(tmp_path: Path, overrides: tuple[str, ...], nproc: int = 1,
                                      config: str = "llama_debug") -> None:
     common = ("--lr_scheduler.total_steps", str(STEPS), "--checkpoint.interval", str(STOP_AT),
@@ -35,16 +32,16 @@ def assert_resume_exact_with_control(tmp_path: Path, overrides: tuple[str, ...],
     train(tmp_path / "A", "--training.steps", str(STEPS), *common, **run_as)
     for steps in (STOP_AT, STEPS):
         train(tmp_path / "B", "--checkpoint.enable", "--training.steps", str(steps), *common, **run_as)
-    uninterrupted = loss_bits(tmp_path / "A")
-    assert list(uninterrupted) == list(range(1, STEPS + 1))
-    assert loss_bits(tmp_path / "B") == uninterrupted
+    uninterrupted = read_loss_log(tmp_path / "A")
+    assert sorted(read_loss_log(tmp_path / "B")) == sorted(uninterrupted) == list(range(1, STEPS + 1))
+    assert_every_line_matches(tmp_path / "A", tmp_path / "B")
 
     control = tmp_path / "control"
     shutil.copytree(tmp_path / "B" / "checkpoint" / f"step-{STOP_AT}", control / "checkpoint" / f"step-{STOP_AT}")
     train(control, "--checkpoint.enable", "--training.steps", str(STEPS), "--checkpoint.restore_rng", "false",
           *common, **run_as)
-    resumed = loss_bits(control)
-    assert resumed[STOP_AT + 1] != uninterrupted[STOP_AT + 1]
+    step = STOP_AT + 1
+    assert float_bits(read_loss_log(control)[step]["loss"]) != float_bits(uninterrupted[step]["loss"])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -104,14 +101,12 @@ def test_several_resumes_in_a_row(tmp_path: Path) -> None:
     train(resumed, "--checkpoint.enable", "--training.steps", str(total), *common)
     steps = sorted(int(p.name.split("-")[1]) for p in (resumed / "checkpoint").iterdir())
     assert steps == [3, 5, 8, total]
-    assert loss_bits(resumed) == loss_bits(tmp_path / "A")
+    assert sorted(read_loss_log(resumed)) == list(range(1, total + 1))
+    assert_every_line_matches(tmp_path / "A", resumed)
 
 
 def test_global_batch_size_must_divide(tmp_path: Path) -> None:
     proc = train(tmp_path, "--training.global_batch_size", "12", check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: config training.global_batch_size = 12 is not a multiple of local_batch_size x data-parallel "
-        "size = 8 x 1 = 8; choose a multiple"
-    ]
+    assert_refused(proc, "training.global_batch_size = 12 is not a multiple of local_batch_size x data-parallel "
+                         "size = 8 x 1 = 8; choose a multiple")
     assert not os.listdir(tmp_path)
