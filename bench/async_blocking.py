@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import build_run, config_for, folder_bytes, median, parser, scratch_parent, spread, table, timed
-from torchtitan_rng.checkpoint.manager import CheckpointManager, step_dir
+from torchtitan_rng.checkpoint.layout import step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
         asynchronous = CheckpointManager(Path(scratch) / "async", run.parts, interval=1, async_mode="async")
         for index in range(repeats):
             blocked["sync"].append(timed(lambda: sync.save(index)))
-            blocked["async"].append(timed(lambda: asynchronous.save(index, blocking=False)))
+            blocked["async"].append(timed(lambda: asynchronous.save(index)))
             background.append(timed(asynchronous.wait))  # nothing overlaps here: the write's own duration
         size = folder_bytes(step_dir(sync.folder, 0))
     # The first async save also allocates the staging copy (kept for the run); later saves reuse it.

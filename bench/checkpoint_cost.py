@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import build_run, config_for, folder_bytes, median, parser, scratch_parent, spread, table, timed
-from torchtitan_rng.checkpoint.manager import CheckpointManager, step_dir
+from torchtitan_rng.checkpoint.layout import step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint.manager import ModelState, OptimizerState
+from torchtitan_rng.checkpoint import layout
+from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.config import JobConfig, parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
@@ -109,7 +110,7 @@ class RunParts:
 
     @property
     def model_and_optimizer(self) -> dict[str, Any]:
-        return {name: self.parts[name] for name in ("model", "optimizer")}
+        return {name: self.parts[name] for name in (layout.MODEL, layout.OPTIMIZER)}
 
 
 def build_run(config: JobConfig, *, rank: int = 0, world_size: int = 1, mesh: Any = None,
@@ -120,7 +121,8 @@ def build_run(config: JobConfig, *, rank: int = 0, world_size: int = 1, mesh: An
     model = spec.build_model(config).to(device)
     if mesh is not None:
         spec.apply_fsdp(model, mesh)
-    optimizer = build_optimizer(model.parameters(), config)
+    # Over the trainable parameters, as the trainer builds it (Flux's frozen encoders have no optimizer state).
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config)
     lr_scheduler = build_lr_scheduler(optimizer, config)
     dataloader = ResumableDataLoader(spec.build_dataset(config), batch_size=config.training.local_batch_size,
                                      dp_rank=rank, dp_world=world_size, seed=config.debug.seed,
@@ -135,8 +137,8 @@ def build_run(config: JobConfig, *, rank: int = 0, world_size: int = 1, mesh: An
         lr_scheduler.step()
     train_state = TrainState(device, rank, world_size)
     train_state.step = steps
-    parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": lr_scheduler,
-             "dataloader": dataloader, "train_state": train_state}
+    parts = checkpoint_parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader,
+                             train_state=train_state)
     return RunParts(config, model, optimizer, parts)
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench.common import REPO, build_run, config_for, median, parser, scratch_parent, spread, table, timed
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint.manager import CheckpointManager, step_dir
+from torchtitan_rng.checkpoint.layout import step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.distributed import barrier, init_distributed, teardown
 
 RESULT = "bench-result: "

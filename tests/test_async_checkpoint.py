@@ -11,7 +11,9 @@ import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from launch import compare, train
-from torchtitan_rng.checkpoint.manager import CheckpointManager, ModelState, complete_steps
+from torchtitan_rng.checkpoint.layout import complete_steps
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import ModelState
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.checkpoint.train_state import TrainState
 
@@ -52,7 +54,7 @@ def test_async_save_is_the_boundary_not_the_write(tmp_path: Path) -> None:
     rng_before = torch.get_rng_state()
     manager = CheckpointManager(tmp_path, {"model": ModelState(model), "train_state": train_state}, interval=1,
                                 async_mode="async")
-    manager.save(1, blocking=False)
+    manager.save(1)  # not the last step: async_mode writes it in the background
     assert complete_steps(tmp_path) == []  # never picked before the write has finished everywhere
     with torch.no_grad():
         model.weight.add_(1.0)  # the next optimizer step

@@ -13,6 +13,9 @@ import torch
 from checks import assert_refused, rewrite_checkpoint, snapshot
 from launch import STEP2, train
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
+
+RANK_0 = rank_key(0)  # rank 0's own value in the train state
 
 pytestmark = pytest.mark.e2e
 
@@ -31,15 +34,15 @@ def test_other_world_size_with_reseed_warns_and_continues(user_dump: Path) -> No
 
 
 def _edit_rank_blob(state: dict[str, Any], **changes: Any) -> None:
-    blob = decode_state(state["train_state"]["rank_0"])
+    blob = decode_state(state[TRAIN_STATE][RANK_0])
     blob.update(changes)
-    state["train_state"]["rank_0"] = encode_state(blob)
+    state[TRAIN_STATE][RANK_0] = encode_state(blob)
 
 
 def test_other_device_type(user_dump: Path, tmp_path: Path) -> None:
     """A checkpoint whose per-rank state says CUDA (16-byte Philox state), resumed on this CPU run."""
     def to_cuda(state: dict[str, Any]) -> None:
-        rng = decode_state(state["train_state"]["rank_0"])["rng"]
+        rng = decode_state(state[TRAIN_STATE][RANK_0])["rng"]
         rng.update(device_type="cuda", device=torch.zeros(16, dtype=torch.uint8))
         _edit_rank_blob(state, device_type="cuda", rng=rng)
 
@@ -53,7 +56,7 @@ def test_other_device_type(user_dump: Path, tmp_path: Path) -> None:
 
 
 def test_checkpoint_without_rng_state(user_dump: Path, tmp_path: Path) -> None:
-    rewrite_checkpoint(user_dump / "checkpoint" / "step-2", tmp_path, lambda s: s["train_state"].pop("rank_0"))
+    rewrite_checkpoint(user_dump / "checkpoint" / "step-2", tmp_path, lambda s: s[TRAIN_STATE].pop(RANK_0))
     before = snapshot(user_dump)
     assert_refused(train(user_dump, "--training.steps", "3", *STEP2, "--checkpoint.strict_rng", check=False),
                     "holds no RNG state", "strict_rng")

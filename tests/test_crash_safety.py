@@ -16,7 +16,7 @@ import pytest
 
 from checks import assert_every_line_matches
 from launch import compare, train
-from torchtitan_rng.checkpoint.manager import complete_steps
+from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from torchtitan_rng.checkpoint.manager import CheckpointManager, ModelState, OptimizerState, step_dir
+from torchtitan_rng.checkpoint.layout import step_dir
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
@@ -90,8 +92,7 @@ def run_experiment(folder: Path, form: str, num_workers: int, *, resume: bool = 
         on_num_workers_change=on_change,
     )
     train_state = TrainState(torch.device("cpu"))
-    parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "dataloader": loader,
-             "train_state": train_state}
+    parts = checkpoint_parts(model=model, optimizer=optimizer, dataloader=loader, train_state=train_state)
     checkpointer = CheckpointManager(folder, parts, interval=STOP)
     if resume:
         checkpointer.load(step_dir(folder, STOP))
@@ -164,7 +165,7 @@ def test_global_randomness_refuses_another_worker_count(tmp_path: Path) -> None:
         run_experiment(tmp_path, "global", 0, resume=True)
     message = str(refused.value)
     assert "\n" not in message
-    assert "ran 2 workers and this run has 0" in message and "--data.on_num_workers_change warn" in message
+    assert "ran 2 workers and this run has 0" in message and 'on_num_workers_change="warn"' in message
 
 
 def test_global_randomness_with_warn_continues(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from checks import assert_every_line_matches
 from launch import compare, start, train, wait_for_log_lines
-from torchtitan_rng.checkpoint.manager import complete_steps
+from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
 

@@ -69,8 +69,9 @@ def test_in_process_resume_restores_streams_position_and_worker_rng(tmp_path: Pa
         return torchtitan_rng.ExactResume(tmp_path, model=nn.Linear(2, 2), dataloader=loader, interval=2, seed=5), loader
 
     exact, loader = build()
-    exact.restore_rng()
+    assert exact.load() == 0  # a fresh run: load() comes first all the same
     batches = iter(loader)
+    exact.restore_rng()
     next(batches), next(batches)
     exact.maybe_save(2, last_step=4)
     expected_batch, expected_draw = next(batches), torch.rand(4)

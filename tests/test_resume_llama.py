@@ -65,7 +65,7 @@ def test_resume_from_older_checkpoint_refuses_to_overwrite_newer(stopped_and_res
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: this run would save over the existing checkpoints 10, 15, 20 in {stopped_and_resumed / 'checkpoint'}; "
-        "resume into a fresh dump folder with --checkpoint.initial_load_path, or move those checkpoints away"
+        "resume into a fresh folder with --checkpoint.initial_load_path, or move those checkpoints away"
     ]
     assert {p.name: p.stat().st_mtime_ns for p in (stopped_and_resumed / "checkpoint").iterdir()} == before
     assert (stopped_and_resumed / "loss_log.jsonl").read_bytes() == log_before

@@ -14,6 +14,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from checks import assert_refused, rewrite_checkpoint
 from launch import STEP2, train
+from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
+
+RANK_0 = rank_key(0)  # rank 0's own value in the train state
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +36,16 @@ def test_pickle_payload_in_a_non_tensor_item(user_dump: Path, tmp_path: Path) ->
     ckpt = user_dump / "checkpoint" / "step-2"
 
     def plant(state: dict[str, Any]) -> None:
-        state["train_state"]["rank_0"] = _CreatesFile(marker)
+        state[TRAIN_STATE][RANK_0] = _CreatesFile(marker)
 
     rewrite_checkpoint(ckpt, tmp_path, plant)
     assert_refused(train(user_dump, "--training.steps", "3", *STEP2, check=False),
-                    "refusing to load checkpoint item 'train_state.rank_0'", "not plain data")
+                    f"refusing to load checkpoint item '{TRAIN_STATE}.{RANK_0}'", "not plain data")
     assert not marker.exists()
     # Control: the payload is real; DCP's own load planner runs it.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"train_state": {"rank_0": b""}}, checkpoint_id=str(ckpt))
+        dcp.load({TRAIN_STATE: {RANK_0: b""}}, checkpoint_id=str(ckpt))
     assert marker.exists()
 
 

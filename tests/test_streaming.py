@@ -13,7 +13,7 @@ from launch import compare, stop_and_resume, train
 from token_data import write_jsonl, write_token_file
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError, parse_args
-from torchtitan_rng.checkpoint.manager import CheckpointError
+from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.resume import reposition_sampler
 from torchtitan_rng.data.dataloader import ResumableDataLoader, dp_rank_key
 from torchtitan_rng.data.streaming import StreamingDataLoader

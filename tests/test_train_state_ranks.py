@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from torchtitan_rng.checkpoint.manager import SafeLoadPlanner
+from torchtitan_rng.checkpoint.safe_load import SafeLoadPlanner
 from torchtitan_rng.checkpoint.train_state import TrainState
 
 pytestmark = pytest.mark.e2e

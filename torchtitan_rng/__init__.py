@@ -4,7 +4,7 @@ The names below are the public API (reference: docs/api.md). ``import torchtitan
 no side effects: each name imports its module (and torch) the first time it is used.
 
 Exact resume in your own loop: :class:`ExactResume`, :func:`build_dataloader`, :class:`RestoreOrderError`.
-The pieces they bundle: :class:`TrainState`, :class:`CheckpointManager` and friends,
+The pieces they bundle: :class:`TrainState`, :class:`CheckpointManager`, :func:`checkpoint_parts` and friends,
 :class:`ResumableDataLoader`, per-sample generators (:class:`SampleRandomDataset`), the stream helpers of
 ``rng``. Your own model and dataset in
 ``run_train.sh``: :class:`TrainSpec` and :func:`register_train_spec`, imported via ``job.custom_module``.
@@ -25,12 +25,13 @@ _EXPORTS: dict[str, str] = {
     "TrainState": "torchtitan_rng.checkpoint.train_state",
     # Checkpoints on torch.distributed.checkpoint.
     "CheckpointManager": "torchtitan_rng.checkpoint.manager",
-    "CheckpointError": "torchtitan_rng.checkpoint.manager",
-    "ModelState": "torchtitan_rng.checkpoint.manager",
-    "OptimizerState": "torchtitan_rng.checkpoint.manager",
-    "SafeLoadPlanner": "torchtitan_rng.checkpoint.manager",
-    "complete_steps": "torchtitan_rng.checkpoint.manager",
-    "resolve_checkpoint": "torchtitan_rng.checkpoint.manager",
+    "CheckpointError": "torchtitan_rng.checkpoint.layout",
+    "ModelState": "torchtitan_rng.checkpoint.states",
+    "OptimizerState": "torchtitan_rng.checkpoint.states",
+    "checkpoint_parts": "torchtitan_rng.checkpoint.states",
+    "SafeLoadPlanner": "torchtitan_rng.checkpoint.safe_load",
+    "complete_steps": "torchtitan_rng.checkpoint.layout",
+    "resolve_checkpoint": "torchtitan_rng.checkpoint.layout",
     # Data.
     "ResumableDataLoader": "torchtitan_rng.data.dataloader",
     "split_sample_key": "torchtitan_rng.data.sampler",
@@ -71,15 +72,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check both lists agree)
-    from torchtitan_rng.checkpoint.manager import (
-        CheckpointError,
-        CheckpointManager,
-        ModelState,
-        OptimizerState,
-        SafeLoadPlanner,
-        complete_steps,
-        resolve_checkpoint,
-    )
+    from torchtitan_rng.checkpoint.layout import CheckpointError, complete_steps, resolve_checkpoint
+    from torchtitan_rng.checkpoint.manager import CheckpointManager
+    from torchtitan_rng.checkpoint.safe_load import SafeLoadPlanner
+    from torchtitan_rng.checkpoint.states import ModelState, OptimizerState, checkpoint_parts
     from torchtitan_rng.config import ConfigError, JobConfig
     from torchtitan_rng.data.dataloader import ResumableDataLoader
     from torchtitan_rng.data.sample_rng import SampleRandomDataset, sample_generator, sample_numpy_generator

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtitan_rng.checkpoint.layout import PARTS
+
 if sys.version_info >= (3, 11):
     import tomllib as toml_reader
 else:  # pragma: no cover - Python 3.10
@@ -63,8 +65,9 @@ class Training:
     # Flux: "uniform" or "logit_normal" timesteps.
     timestep_sampling: str = "logit_normal"
     image_size: int = 16
-    # Samples per optimizer step over all data-parallel ranks; -1: local_batch_size x data-parallel size.
-    # Gradient accumulation runs global / (local x dp) micro-batches per step.
+    # Samples per optimizer step over all data-parallel ranks, in micro-batches of local_batch_size; -1:
+    # local_batch_size x data-parallel size. Ordinary data parallelism accumulates gradients over
+    # global / (local x dp) micro-batches; parallelism.world_size_invariant splits them its own way.
     global_batch_size: int = -1
     # "bfloat16": bf16 compute (FSDP2 parameters with several processes, autocast with one).
     mixed_precision_param: str = "float32"
@@ -157,6 +160,9 @@ class Metrics:
 class Parallelism:
     # Processes that shard the model (FSDP2); -1 means all of them.
     data_parallel_shard_degree: int = -1
+    # The same bits at any power-of-two process count: micro-batches by global position, random streams per
+    # micro-batch, gradients summed in one fixed tree, parameters replicated (README: replay on one machine).
+    world_size_invariant: bool = False
 
 
 @dataclass
@@ -373,11 +379,10 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
-    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
     for name in config.checkpoint.exclude_from_loading:
-        if name not in parts:
+        if name not in PARTS:
             raise ConfigError(
-                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(parts)}"
+                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(PARTS)}"
             )
 
 
@@ -447,6 +452,28 @@ def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:
             f"data-parallel size = {config.training.local_batch_size} x {dp_world} = {local}; choose a multiple"
         )
     return global_batch // local
+
+
+# The parameters that the library layers (checkpoint manager, own-loop API, dataloader) name in their errors
+# (``load_step=5``), and the config key a trainer user sets instead (``--checkpoint.load_step 5``).
+_LIBRARY_PARAMETERS = {
+    "load_step": "checkpoint.load_step",
+    "initial_load_path": "checkpoint.initial_load_path",
+    "on_world_size_change": "checkpoint.on_world_size_change",
+    "exclude": "checkpoint.exclude_from_loading",
+    "num_workers": "data.num_workers",
+    "on_num_workers_change": "data.on_num_workers_change",
+}
+_LIBRARY_PARAMETER = re.compile(r"\b(" + "|".join(_LIBRARY_PARAMETERS) + r""")=("[^"]*"|'[^']*'|[\w.+-]*)""")
+
+
+def as_flags(message: str) -> str:
+    """A library error worded for a trainer user: ``load_step=5`` becomes ``--checkpoint.load_step 5``."""
+    def flag(match: re.Match[str]) -> str:
+        value = match.group(2).strip('"')
+        return f"--{_LIBRARY_PARAMETERS[match.group(1)]}" + (f" {value}" if value else "")
+
+    return _LIBRARY_PARAMETER.sub(flag, message)
 
 
 def to_dict(config: JobConfig) -> dict[str, Any]:

@@ -86,8 +86,10 @@ def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def teardown() -> None:
-    """Barrier, then destroy the group; close dataloader iterators first (docs/design.md, "Teardown order")."""
+def teardown(*, clean: bool = True) -> None:
+    """Destroy the group; close dataloader iterators first (docs/design.md, "Teardown order"). A clean end
+    waits for every rank first; after a failure another rank may be gone, so it does not wait."""
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

@@ -15,7 +15,8 @@ Points, in the order a step meets them:
 * ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
 * ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
 
-Each armed entry fires once. Unset (the normal case), every hook is one dictionary lookup.
+Each armed entry fires once. Unset (the normal case), the trainer builds no injector and hands none to
+the checkpoint manager: the production save path does not know this module.
 """
 
 from __future__ import annotations
@@ -54,35 +55,40 @@ def _parse(spec: str) -> dict[tuple[str, int], list[_Fault]]:
     return faults
 
 
-_armed = _parse(os.environ.get(ENV_VAR, ""))
+class FaultInjector:
+    """The hooks a CheckpointManager (and the trainer, at ``before_step``) calls; built by the trainer only
+    when the environment variable arms a point, so a normal run has none."""
 
+    def __init__(self, spec: str, rank: int) -> None:
+        self.rank = rank
+        self._armed = {key: [f for f in faults if f.rank is None or f.rank == rank]
+                       for key, faults in _parse(spec).items()}
 
-def armed(point: str, step: int) -> bool:
-    return (point, step) in _armed
+    @classmethod
+    def from_env(cls, rank: int) -> FaultInjector | None:
+        spec = os.environ.get(ENV_VAR, "")
+        return cls(spec, rank) if spec else None
 
+    def at(self, point: str, step: int) -> None:
+        """Fire the faults armed for ``point`` at ``step`` on this rank (each once)."""
+        faults = self._armed.get((point, step), [])
+        while faults:
+            os.kill(os.getpid(), faults.pop(0).signum)
 
-def fault_point(point: str, step: int, rank: int) -> None:
-    """Fire the faults armed for ``point`` at ``step`` on this rank (each once)."""
-    for fault in list(_armed.get((point, step), ())):
-        if fault.rank is None or fault.rank == rank:
-            _armed[(point, step)].remove(fault)
-            os.kill(os.getpid(), fault.signum)
+    def save_planner(self, step: int) -> DefaultSavePlanner | None:
+        """The planner for ``dcp.save`` when ``save_writing`` is armed for this step, else None (DCP's own)."""
+        return _FaultySavePlanner(self, step) if self._armed.get(("save_writing", step)) else None
 
 
 class _FaultySavePlanner(DefaultSavePlanner):
     """DCP's planner, firing ``save_writing`` when half of this rank's items went to the open file."""
 
-    def __init__(self, step: int, rank: int) -> None:
+    def __init__(self, faults: FaultInjector, step: int) -> None:
         super().__init__()
-        self.step, self.rank, self.resolved = step, rank, 0
+        self.faults, self.step, self.resolved = faults, step, 0
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         self.resolved += 1  # DCP's writer calls this item by item, with the shard file open
         if 2 * self.resolved >= len(self.plan.items):
-            fault_point("save_writing", self.step, self.rank)
+            self.faults.at("save_writing", self.step)
         return super().resolve_data(write_item)
-
-
-def save_planner(step: int, rank: int) -> DefaultSavePlanner | None:
-    """The planner for ``dcp.save`` when ``save_writing`` is armed for this step, else None (DCP's own)."""
-    return _FaultySavePlanner(step, rank) if armed("save_writing", step) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -43,7 +44,8 @@ class ProgressReporter:
         self._steps_since = 0
         self._steps_total = 0
 
-    def step_done(self, step: int, loss: float, lr: float) -> None:
+    def step_done(self, step: int, record: dict[str, Any]) -> None:
+        """Count a finished step; print a line for it when due (``record``: its loss-log record)."""
         self._steps_since += 1
         self._steps_total += 1
         if not self.enabled or (step % self.log_freq and step != self.last_step):
@@ -52,8 +54,10 @@ class ProgressReporter:
         seconds_per_step = (now - self._since) / self._steps_since
         throughput = self.items_per_step / seconds_per_step if seconds_per_step > 0 else 0.0
         time_left = (now - self._start) / self._steps_total * (self.last_step - step)
+        validation = f"  val_loss {record['val_loss']:.6f}" if "val_loss" in record else ""
         print(
-            f"step {step:>5}  loss {loss:.6f}  lr {lr:.3e}  {throughput:,.0f} {self.unit}/s  "
+            f"step {step:>5}  loss {record['loss']:.6f}{validation}  lr {record['lr']:.3e}  "
+            f"{throughput:,.0f} {self.unit}/s  "
             f"{seconds_per_step * 1000:.1f} ms/step  {_memory(self.device)}  eta {_duration(time_left)}",
             flush=True,
         )

@@ -23,24 +23,21 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    ModelState,
-    OptimizerState,
-    Stateful,
-    resolve_checkpoint,
-)
+from torchtitan_rng.checkpoint.layout import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.resume import load_checkpoint
+from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
+from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import seed_training_streams
-from torchtitan_rng.checkpoint.train_state import TrainState
 
 
 class RestoreOrderError(RuntimeError):
-    """``restore_rng()`` came after randomness of the resumed step was consumed; one line says which."""
+    """A step of the resume order was skipped: ``iter(dataloader)`` before ``load()``, or ``restore_rng()``
+    after randomness of the resumed step was consumed; one line says which."""
 
 
 class _PlainIndices(Dataset):
@@ -165,26 +162,19 @@ class ExactResume:
                 f"dataloader is a {type(dataloader).__name__}; build it with torchtitan_rng.build_dataloader "
                 "so that its position and generator are saved per rank"
             )
-        self.rank, world_size = rank_and_world_size()
+        self.rank, self.world_size = rank_and_world_size()
         self.seed = seed
         self.dataloader = dataloader
-        self.train_state = TrainState(device or _model_device(model), self.rank, world_size)
-        parts: dict[str, Stateful] = {"model": ModelState(model)}
-        if optimizer is not None:
-            parts["optimizer"] = OptimizerState(model, optimizer)
-        if lr_scheduler is not None:
-            parts["lr_scheduler"] = lr_scheduler
-        if dataloader is not None:
-            parts["dataloader"] = dataloader
-        parts["train_state"] = self.train_state
-        for name, part in (extra or {}).items():
-            if name in parts:
-                raise ValueError(f"extra part {name!r} clashes with a built-in part; built-in: {', '.join(parts)}")
-            parts[name] = part
+        self.train_state = TrainState(device or _model_device(model), self.rank, self.world_size)
+        parts = checkpoint_parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader,
+                                 train_state=self.train_state, extras=extra)
         self.manager = CheckpointManager(Path(folder), parts, interval=interval, keep_latest_k=keep_latest_k,
                                          rank=self.rank)
         self.loaded_from: Path | None = None
+        self._load_called = False
         self._step_at_load = 0
+        if dataloader is not None:
+            dataloader.before_iter = self._refuse_iter_before_load
 
     @property
     def step(self) -> int:
@@ -197,17 +187,18 @@ class ExactResume:
         none, one from ``initial_load_path``) and return its step; 0 when there is nothing to load.
 
         The random streams are only remembered here; :meth:`restore_rng` puts them back. Raises
-        :class:`CheckpointError` when the checkpoint lacks a part this run needs (e.g. it was saved by
-        another number of processes); ``exclude`` names parts to leave as they are instead.
+        :class:`CheckpointError` when the checkpoint was saved by another number of processes (it cannot
+        resume exactly) or lacks a part this run needs; ``exclude`` names parts to leave as they are instead.
         """
-        path = resolve_checkpoint(self.manager.folder, load_step, str(initial_load_path))
+        self._load_called = True
+        path = resolve_checkpoint(self.manager.folder, load_step, initial_load_path)
         if path is None:
             return 0
-        result = self.manager.load(path, exclude=list(exclude))
-        if result.missing:
+        loaded = load_checkpoint(self.manager, path, world_size=self.world_size, exclude=exclude)
+        if loaded.result.missing:
             raise CheckpointError(
-                f"checkpoint {path} holds no {', '.join(result.missing)} for this run (saved by another "
-                "number of processes or without that part); pass exclude=[...] to start those parts fresh"
+                f"checkpoint {path} holds no {', '.join(loaded.result.missing)} for this run (saved without that "
+                "part); pass exclude=[...] to start those parts fresh"
             )
         self.loaded_from = path
         self._step_at_load = self.train_state.step
@@ -233,6 +224,13 @@ class ExactResume:
             seed_training_streams(self.seed, self.rank)
         return False
 
+    def _refuse_iter_before_load(self) -> None:
+        if not self._load_called:
+            raise RestoreOrderError(
+                "iter(dataloader) was called before ExactResume.load(): the loader would start from the "
+                "beginning instead of the checkpoint's position; call load() first"
+            )
+
     def _check_nothing_consumed(self) -> None:
         fetched = self.dataloader.batches_since_load if self.dataloader is not None else 0
         if fetched:
@@ -253,11 +251,11 @@ class ExactResume:
         folder when one was written.
         """
         self.train_state.step = step
-        if self.manager.should_save(step, last_step):
-            return self.manager.save(step)
-        return None
+        return self.manager.save(step, last_step=last_step)
 
     def save(self, step: int) -> Path:
         """Save now, as the checkpoint of finished step ``step`` (e.g. on a stop signal); a collective."""
         self.train_state.step = step
-        return self.manager.save(step)
+        path = self.manager.save(step, force=True)
+        assert path is not None  # a forced save always writes (or already wrote) this step
+        return path

@@ -52,6 +52,8 @@ STREAMS: dict[str, Stream] = {
                "identical initial weights on every rank"),
         Stream("training-streams", "run", "per rank", ("rank",), "the global streams of a fresh run (dropout, "
                "Flux noise, timesteps and prompt dropout)"),
+        Stream("micro-batch", "run", "per micro-batch", ("step", "slot"), "world-size-invariant training: the "
+               "global streams and registered generators before each micro-batch, the same at any process count"),
         Stream("reseed", "run", "per rank", ("step",), "a resume that cannot restore the global streams (no RNG "
                "state, another process count or device type): the root of its fresh training-streams"),
         Stream("dataloader", "run", "per rank", ("dp_rank",), "the dataloader's own generator: its workers' base "
@@ -153,10 +155,21 @@ def seed_model_init(seed: int) -> None:
 
 def seed_training_streams(seed: int, rank: int) -> None:
     """Per rank: the global streams a fresh run trains with (a resumed run restores them instead)."""
-    rank_seed = stream_seed("training-streams", seed, rank)
-    random.seed(rank_seed)
-    np.random.seed(rank_seed % (1 << 32))
-    torch.manual_seed(rank_seed)  # also seeds every accelerator generator
+    _seed_global_streams(stream_seed("training-streams", seed, rank))
+
+
+def seed_micro_batch_streams(seed: int, step: int, slot: int) -> None:
+    """World-size-invariant training: the global and registered streams of micro-batch ``slot`` of ``step``."""
+    slot_seed = stream_seed("micro-batch", seed, step, slot)
+    _seed_global_streams(slot_seed)
+    for name, generator in _registered.items():
+        generator.manual_seed(derive_seed(slot_seed, "registered", name))
+
+
+def _seed_global_streams(value: int) -> None:
+    random.seed(value)
+    np.random.seed(value % (1 << 32))
+    torch.manual_seed(value)  # also seeds every accelerator generator
 
 
 def capture_host_rng() -> dict[str, Any]:

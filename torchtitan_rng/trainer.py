@@ -1,45 +1,48 @@
 """The training loop, read top to bottom: build, resume, restore the random streams last, train, save.
 
-A checkpoint signal (``signals.checkpoint_on``) only sets a flag; at each step boundary the ranks agree on
-it, save at that step and exit 0 (see launch/preemption.py).
+``Trainer(config)`` builds the run and resumes it; ``train()`` runs the steps; ``close()`` releases what
+was opened, in every case (``try: trainer.train() finally: trainer.close()``): it finishes a background
+save (or abandons it when the run failed), closes the loss log, shuts the dataloader's workers and tears
+down the process group. The checkpointer owns the save policy; the loop only reports each step.
+
+A checkpoint signal (``signals.checkpoint_on``, installed by the entry ``train.py``) only sets a flag; at
+each step boundary the ranks agree on it, save at that step and exit 0 (see launch/preemption.py).
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint import resume as resume_policy
-from torchtitan_rng.launch import preemption, run_lock
-from torchtitan_rng.checkpoint.manager import (
-    CheckpointError,
-    CheckpointManager,
-    ModelState,
-    OptimizerState,
-    refuse_overwrite,
-    resolve_checkpoint,
-)
-from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
-from torchtitan_rng.data.dataloader import ResumableDataLoader
+from torchtitan_rng.checkpoint import resume
+from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import checkpoint_parts
+from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.config import ConfigError, JobConfig, as_flags, gradient_accumulation_steps
+from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
+from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
-from torchtitan_rng.fault_injection import fault_point
+from torchtitan_rng.fault_injection import FaultInjector
+from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
+from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
+from torchtitan_rng.launch import preemption, run_lock
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng import parallelize
-from torchtitan_rng.train_step import forward_backward
+from torchtitan_rng.train_step import forward_backward, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
-from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.train_spec import get_train_spec
-from torchtitan_rng.checkpoint.train_state import TrainState
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -47,11 +50,6 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def _log(world: World, message: str) -> None:
-    if world.rank == 0:
-        print(message, flush=True)
 
 
 def _take_run_lock(world: World, dump_folder: Path) -> None:
@@ -66,161 +64,203 @@ def _take_run_lock(world: World, dump_folder: Path) -> None:
         raise refused or run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)")
 
 
-def _resume(config: JobConfig, world: World, checkpointer: CheckpointManager, train_state: TrainState,
-            dataloader: ResumableDataLoader | StreamingDataLoader) -> resume_policy.StreamPlan:
-    """Load the checkpoint to resume from, if any; the plan says how the random streams start."""
-    ckpt = config.checkpoint
-    if not ckpt.enable:
-        if ckpt.initial_load_path or ckpt.load_step >= 0:
-            raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
-        return resume_policy.StreamPlan("fresh")
-    path = resolve_checkpoint(checkpointer.folder, ckpt.load_step, ckpt.initial_load_path)
-    if path is None:
-        return resume_policy.StreamPlan("fresh")
-    saved_world = resume_policy.saved_world_size(path)
-    reseed = resume_policy.world_size_changed(path, saved_world, world.world_size, ckpt.on_world_size_change)
-    result = checkpointer.load(path, exclude=[*ckpt.exclude_from_loading, *(["dataloader"] if reseed else [])])
-    last_step = config.training.steps
-    refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
-                                           if checkpointer.should_save(step, last_step)])
-    if reseed:
-        resume_policy.reposition_sampler(dataloader.batch_sampler, train_state.step, saved_world)
-    others = [name for name in result.missing if not name.startswith("train_state")]  # RNG: the policy's
-    if others:
-        _log(world, f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
-    plan = resume_policy.plan_streams(config, train_state, result, reseed, world.world_size, lambda m: _log(world, m))
-    _log(world, f"resumed from {path} at step {train_state.step}")
-    return plan
+class Trainer:
+    """One run: built and resumed by the constructor, trained by :meth:`train`, released by :meth:`close`."""
 
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self._failed = True  # until train() returns: close() then abandons instead of finishing
+        self._closing = ExitStack()  # what close() releases, last opened first
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
 
-def train(config: JobConfig) -> int:
-    preemption.install(config.signals.checkpoint_on)
-    world = init_distributed(config)
-    if config.debug.deterministic:
-        device_lib.use_deterministic_algorithms()
-    spec = get_train_spec(config)
-    accumulation = gradient_accumulation_steps(config, world.dp_world)
-    dump_folder = Path(config.job.dump_folder)
-    _take_run_lock(world, dump_folder)
+    def _build(self) -> None:
+        config = self.config
+        self.world = world = init_distributed(config)
+        self._closing.callback(lambda: teardown(clean=not self._failed))
+        invariant = config.parallelism.world_size_invariant
+        if invariant:
+            invariant_setup.use_fixed_kernels()
+        elif config.debug.deterministic:
+            device_lib.use_deterministic_algorithms()
+        self.spec = spec = get_train_spec(config)
+        # The invariant mode splits global_batch_size into micro-batches itself.
+        self.accumulation = accumulation = 1 if invariant else gradient_accumulation_steps(config, world.dp_world)
+        self.dump_folder = Path(config.job.dump_folder)
+        _take_run_lock(world, self.dump_folder)
 
-    # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
-    seed_model_init(config.debug.seed)
-    model = spec.build_model(config).to(world.device)
-    parallelize.apply_activation_checkpointing(model, spec, config)
-    parallelize.apply_compile(model, spec, config)
-    if world.world_size > 1:
-        spec.apply_fsdp(model, world.mesh, parallelize.fsdp_mixed_precision(config))
-    loss_fn = parallelize.compiled_loss(spec.loss_fn, model, config)
-    compute_context = parallelize.autocast_context(config, world.device, world.world_size)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config)
-    lr_scheduler = build_lr_scheduler(optimizer, config)
+        # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
+        seed_model_init(config.debug.seed)
+        self.model = model = spec.build_model(config).to(world.device)
+        self.param_count = sum(p.numel() for p in model.parameters())
+        parallelize.apply_activation_checkpointing(model, spec, config)
+        parallelize.apply_compile(model, spec, config)
+        if world.world_size > 1 and not invariant:  # the invariant mode replicates parameters
+            spec.apply_fsdp(model, world.mesh, parallelize.fsdp_mixed_precision(config))
+        self.loss_fn = parallelize.compiled_loss(spec.loss_fn, model, config)
+        self.compute_context = parallelize.autocast_context(config, world.device, world.world_size)
+        model.train()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
 
-    dataset = spec.build_dataset(config)
-    loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
-                   "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
-                   "prefetch_factor": config.data.prefetch_factor,
-                   # The loader counts micro-batches: the user's cadence is in optimizer steps.
-                   "snapshot_every_n_steps": config.data.snapshot_every_n_steps * accumulation}
-    dataloader: ResumableDataLoader | StreamingDataLoader
-    if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
-        dataloader = StreamingDataLoader(dataset, **loader_args)
-    elif config.data.streaming:
-        raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
-    else:
-        # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-        dataloader = ResumableDataLoader(with_worker_rng(dataset, config.data.capture_worker_rng), **loader_args,
-                                         on_num_workers_change=config.data.on_num_workers_change)
-    probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
-                        dataloader=dataloader)
-    train_state = TrainState(world.device, world.rank, world.world_size)
-    checkpointer = CheckpointManager(
-        dump_folder / config.checkpoint.folder,
-        {
-            "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizer),
-            "lr_scheduler": lr_scheduler,
-            "dataloader": dataloader,
-            "train_state": train_state,
-        },
-        interval=config.checkpoint.interval,
-        keep_latest_k=config.checkpoint.keep_latest_k,
-        rank=world.rank,
-        async_mode=config.checkpoint.async_mode,
-    )
-    stream_plan = _resume(config, world, checkpointer, train_state, dataloader)
-    last_step = config.training.steps
-    if train_state.step >= last_step:
-        _log(world, f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")
-        teardown()
+        dataset = spec.build_dataset(config)
+        self.layout = (invariant_setup.plan_layout(config, world.rank, world.world_size, dataset) if invariant
+                       else None)
+        loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
+                       "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
+                       "prefetch_factor": config.data.prefetch_factor,
+                       # The loader counts micro-batches: the user's cadence is in optimizer steps.
+                       "snapshot_every_n_steps": config.data.snapshot_every_n_steps * accumulation}
+        self.dataloader: ResumableDataLoader | StreamingDataLoader
+        if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
+            self.dataloader = StreamingDataLoader(dataset, **loader_args)
+        elif config.data.streaming:
+            raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
+        else:
+            # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
+            self.dataloader = ResumableDataLoader(
+                with_worker_rng(dataset, config.data.capture_worker_rng), **loader_args,
+                on_num_workers_change=config.data.on_num_workers_change,
+                batch_sampler=(invariant_setup.global_sampler(len(dataset), config, self.layout) if self.layout
+                               else None))
+        # Its workers go before the process group does (docs/design.md, "Teardown order").
+        self._closing.callback(lambda: shutdown_workers(self.dataloader))
+        self.probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
+                                 dataloader=self.dataloader)
+        # The step lives here: the checkpointer saves it, the loop advances it.
+        self.train_state = TrainState(world.device, world.rank, world.world_size)
+        self.faults = FaultInjector.from_env(world.rank)
+        self.checkpointer = CheckpointManager(
+            self.dump_folder / config.checkpoint.folder,
+            checkpoint_parts(model=model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                             dataloader=self.dataloader, train_state=self.train_state,
+                             extras={RECORD_PART: InvariantRecord(config)} if invariant else None),
+            interval=config.checkpoint.interval,
+            enable=config.checkpoint.enable,
+            keep_latest_k=config.checkpoint.keep_latest_k,
+            rank=world.rank,
+            async_mode=config.checkpoint.async_mode,
+            hooks=self.faults,
+            log=self._log,
+        )
+        self._closing.callback(lambda: self.checkpointer.close(abandon=self._failed))
+        self.stream_plan, self.resumed_from = resume.resume(
+            config, world.world_size, self.checkpointer, self.train_state, self.dataloader.batch_sampler, self._log)
+
+    def _log(self, message: str) -> None:
+        if self.world.rank == 0:
+            print(message, flush=True)
+
+    def _banner(self) -> None:
+        config, ckpt = self.config, self.config.checkpoint
+        trainable = sum(p.numel() for p in self.params)
+        self._log(f"model {config.model.name} ({config.model.flavor}): {self.param_count:,} parameters, "
+                  f"{trainable:,} trainable; {self.world.world_size} process(es) on {self.world.device.type}")
+        self._log(f"dump folder {self.dump_folder}")
+        if ckpt.enable:
+            mode = ", async" if ckpt.async_mode == "async" else ""
+            self._log(f"checkpointing into {self.checkpointer.folder} every {ckpt.interval} steps{mode}")
+        else:
+            self._log("checkpointing off (a stop signal still saves)")
+        if self.resumed_from is None:
+            self._log("fresh start")
+        else:
+            self._log(f"resumed from {self.resumed_from} at step {self.train_state.step}")
+
+    def train(self) -> int:
+        config, world, train_state = self.config, self.world, self.train_state
+        last_step = config.training.steps
+        self._banner()
+        if train_state.step >= last_step:
+            self._log(f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")
+            self._failed = False
+            return 0
+
+        data_iter = iter(self.dataloader)
+        # The global streams, last thing before the first step: after model build, the loader's iterator and
+        # everything else that runs once at start-up, so that none of it shifts them.
+        resume.start_streams(self.stream_plan, train_state, config.debug.seed, world.rank)
+
+        loss_log = LossLogWriter(loss_log_path(self.dump_folder)) if world.rank == 0 else None
+        if loss_log is not None:
+            self._closing.callback(loss_log.close)
+        progress = ProgressReporter(
+            log_freq=config.metrics.log_freq,
+            last_step=last_step,
+            items_per_step=self.spec.items_per_sample(config) * (config.training.global_batch_size if self.layout else
+                                                                  config.training.local_batch_size * world.dp_world
+                                                                  * self.accumulation),
+            unit=self.spec.throughput_unit,
+            device=world.device,
+            enabled=world.rank == 0,
+        )  # its clock starts here: build, resume and the workers' start-up are not in the throughput
+        stopped_at = None
+        for step in range(train_state.step + 1, last_step + 1):
+            fingerprints = self.probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
+            if self.faults is not None:
+                self.faults.at("before_step", step)
+            record = self._step(step, data_iter)
+            train_state.step = step
+            if loss_log is not None:
+                loss_log.write({**record, **fingerprints})
+            progress.step_done(step, record)
+            self.checkpointer.save(step, last_step=last_step)
+            # One all-reduce: a signal on any rank stops every rank at this same step boundary.
+            if all_ranks_agree_any(preemption.received() is not None, world.device):
+                self.checkpointer.save(step, force=True)
+                stopped_at = step
+                break
+
+        self.checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
+        self._failed = False
+        if stopped_at is not None:
+            self._log(f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "
+                      f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; run the same command "
+                      "again (with --checkpoint.enable) to resume")
         return 0
 
-    data_iter = iter(dataloader)
-    # The global streams, last thing before the first step: after model build, the loader's iterator and
-    # everything else that runs once at start-up, so that none of it shifts them.
-    resume_policy.start_streams(stream_plan, train_state, config.debug.seed, world.rank)
-
-    loss_log = LossLogWriter(loss_log_path(dump_folder)) if world.rank == 0 else None
-    progress = ProgressReporter(
-        log_freq=config.metrics.log_freq,
-        last_step=last_step,
-        items_per_step=spec.items_per_sample(config) * config.training.local_batch_size * world.dp_world * accumulation,
-        unit=spec.throughput_unit,
-        device=world.device,
-        enabled=world.rank == 0,
-    )
-    stopped_at = None
-    for step in range(train_state.step + 1, last_step + 1):
-        fingerprints = probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
-        fault_point("before_step", step, world.rank)
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, data_iter, loss_fn, config, accumulation, world.device, compute_context)
-        grad_norm = _clip_grad_norm(params, config.training.max_norm)
-        lr = lr_scheduler.get_last_lr()[0]
-        optimizer.step()
-        lr_scheduler.step()
-        train_state.step = step
-
+    def _step(self, step: int, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
+        """One optimizer step; returns its loss-log record."""
+        config = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.layout is not None:  # its loss is the same tree sum on every rank
+            loss = invariant_step.forward_backward(self.model, self.params,
+                                                   lambda: to_device(next(batches), self.world.device),
+                                                   self.spec.loss_fn, config, self.layout, step)
+        else:
+            loss = mean_over_ranks(forward_backward(self.model, batches, self.loss_fn, config, self.accumulation,
+                                                    self.world.device, self.compute_context))
+        grad_norm = _clip_grad_norm(self.params, config.training.max_norm)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.lr_scheduler.step()
         record: dict[str, Any] = {
-            "step": step, "loss": float(mean_over_ranks(loss)), "lr": lr, "grad_norm": grad_norm,
+            "step": step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
         }
-        if spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
-            with preserved_global_rng(world.device):
-                record.update(spec.validate(model, config, step, dump_folder, world.device))
-        if loss_log is not None:
-            loss_log.write({**record, **fingerprints})
-        progress.step_done(step, record["loss"], lr)
-        saved = config.checkpoint.enable and checkpointer.should_save(step, last_step)
-        if saved:
-            checkpointer.save(step, blocking=step == last_step)
-        checkpointer.poll()
-        # One all-reduce: a signal on any rank stops every rank at this same step boundary.
-        if all_ranks_agree_any(preemption.received() is not None, world.device):
-            if not saved:
-                checkpointer.save(step)
-            stopped_at = step
-            break
+        if self.spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
+            with preserved_global_rng(self.world.device):
+                record.update(self.spec.validate(self.model, config, step, self.dump_folder, self.world.device))
+        return record
 
-    checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
-    if loss_log is not None:
-        loss_log.close()
-    del data_iter  # shuts its workers down before the process group goes (docs/design.md, "Teardown order")
-    teardown()
-    if stopped_at is not None:
-        _log(world, f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "
-                    f"checkpoint {checkpointer.folder / f'step-{stopped_at}'} saved; run the same command again "
-                    "(with --checkpoint.enable) to resume")
-    return 0
+    def close(self) -> None:
+        """Release everything the run opened; safe to call after a failure at any point, and twice."""
+        self._closing.close()
 
 
 def run(config: JobConfig) -> int:
     """Train with a parsed config; bad input and unusable checkpoints are one line and exit code 2."""
     try:
-        code = train(config)
+        trainer = Trainer(config)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
-    if code == 0:
-        preemption.mark_clean_exit()
-    return code
+    preemption.mark_clean_exit()
+    return 0

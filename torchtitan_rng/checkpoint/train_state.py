@@ -10,15 +10,12 @@ from typing import Any
 
 import torch
 
+from torchtitan_rng.checkpoint.codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.layout import rank_key
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
-from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 STATE_FORMAT = 1
-
-
-def rank_key(rank: int) -> str:
-    return f"rank_{rank}"
 
 
 class TrainState:

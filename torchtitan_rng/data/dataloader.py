@@ -13,8 +13,10 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
     _StatefulMultiProcessingDataLoaderIter as _MultiProcessIter,
 )
 
+from torchtitan_rng.checkpoint.layout import dp_rank_key
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
+from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
 from torchtitan_rng.rng import stream_generator
@@ -23,10 +25,6 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 # torchdata 0.11 calls a deprecated torch API at every loader construction; the warning is not ours to fix.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-
-
-def dp_rank_key(dp_rank: int) -> str:
-    return f"dp_rank_{dp_rank}"
 
 
 def require_map_style(dataset: Any) -> None:
@@ -86,7 +84,7 @@ class ResumableDataLoader(StatefulDataLoader):
                  collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
                  drop_last: bool = True, timeout: float = 0,
                  worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
-                 persistent_workers: bool = False) -> None:
+                 persistent_workers: bool = False, batch_sampler: GlobalBatchSampler | None = None) -> None:
         require_map_style(dataset)
         if not drop_last:
             # The batch sampler runs over epochs without end, so an epoch's tail opens the next batch.
@@ -98,7 +96,9 @@ class ResumableDataLoader(StatefulDataLoader):
         self.num_workers_configured = num_workers
         self.on_num_workers_change = on_num_workers_change
         self.uses_global_rng = uses_global_rng(dataset)
-        sampler = ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed, shuffle=shuffle)
+        # A sampler handed in (world-size-invariant training) replaces the per-rank one.
+        sampler = batch_sampler or ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed,
+                                                         shuffle=shuffle)
         super().__init__(
             dataset,
             batch_sampler=sampler,
@@ -117,8 +117,12 @@ class ResumableDataLoader(StatefulDataLoader):
         # Batches handed out since construction or the last load_state_dict: a restore of the global RNG
         # after one was fetched comes too late for that batch (resume.ExactResume refuses it).
         self.batches_since_load = 0
+        # Called at every iter(): ExactResume refuses an iterator made before its checkpoint is loaded.
+        self.before_iter: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[Any]:
+        if self.before_iter is not None:
+            self.before_iter()
         return _CountingIterator(super().__iter__(), self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,12 +153,12 @@ class ResumableDataLoader(StatefulDataLoader):
             )
             if self.on_num_workers_change == "error":
                 raise ConfigError(
-                    f"{reason}; resume with --data.num_workers {saved_workers}, derive the dataset's randomness "
-                    "from sample keys (README: making your dataset resume exactly), or pass "
-                    "--data.on_num_workers_change warn to continue inexactly"
+                    f"{reason}; resume with num_workers={saved_workers}, derive the dataset's randomness from "
+                    "sample keys (README: making your dataset resume exactly), or pass "
+                    'on_num_workers_change="warn" to continue inexactly'
                 )
             if self.dp_rank == 0:
-                print(f"WARNING: {reason}; continuing inexactly (data.on_num_workers_change = warn)",
+                print(f'WARNING: {reason}; continuing inexactly (on_num_workers_change="warn")',
                       file=sys.stderr, flush=True)
         # Another worker count: torchdata's state cannot be loaded, but the sampler position is all a
         # form-1 dataset needs (its samples are pure functions of their keys).
@@ -163,6 +167,15 @@ class ResumableDataLoader(StatefulDataLoader):
         for _ in range(batches_to_skip):
             next(self.batch_sampler)
         super().load_state_dict({})
+
+
+def shutdown_workers(loader: StatefulDataLoader) -> None:
+    """Shut down the worker processes of ``loader``'s live iterator, before the process group goes: an
+    iterator left to the garbage collector may outlive it (e.g. when an exception holds a reference)."""
+    iterator, loader._iterator = loader._iterator, None
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # only a multi-process iterator has workers
+    if shutdown is not None:
+        shutdown()
 
 
 class _CountingIterator:

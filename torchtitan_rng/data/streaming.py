@@ -26,7 +26,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError
-from torchtitan_rng.data.dataloader import _CountingIterator, dp_rank_key
+from torchtitan_rng.checkpoint.layout import dp_rank_key
+from torchtitan_rng.data.dataloader import _CountingIterator
 from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
 from torchtitan_rng.rng import stream_generator, stream_seed
 

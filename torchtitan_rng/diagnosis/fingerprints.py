@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan_rng.checkpoint.manager import Stateful
+from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, JobConfig, parse_perturb_rng
 from torchtitan_rng.diagnosis.divergence import FINGERPRINT_KEY
 from torchtitan_rng.rng import capture_global_rng, fingerprint, registered_generators

@@ -29,8 +29,8 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng.launch import preemption, preflight, run_lock
-from torchtitan_rng.checkpoint.manager import CheckpointError
-from torchtitan_rng.config import ConfigError, parse_args
+from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.config import ConfigError, as_flags, parse_args
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
     except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torchtitan_rng.checkpoint import resume as resume_policy
+from torchtitan_rng.checkpoint.layout import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint.resume import world_size_changed
+from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.config import ConfigError, JobConfig, as_flags, parse_args
+from torchtitan_rng.invariant.setup import check_batch_layout
 from torchtitan_rng.launch import preemption
-from torchtitan_rng.checkpoint.manager import CheckpointError, resolve_checkpoint
-from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.train_spec import get_train_spec
 
 
@@ -22,20 +24,23 @@ def check(config: JobConfig, world_size: int | None = None) -> None:
     checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
     get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
+    if config.parallelism.world_size_invariant and world_size is not None:
+        check_batch_layout(config, world_size)
     ckpt = config.checkpoint
     if ckpt.enable:
         path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
         if path is not None:
-            saved_world = resume_policy.saved_world_size(path)  # also checks every shard file
+            info = inspect_checkpoint(path)  # also checks every shard file
             if world_size is not None:
-                resume_policy.world_size_changed(path, saved_world, world_size, ckpt.on_world_size_change)
+                world_size_changed(info, world_size, ckpt.on_world_size_change,
+                                   config.parallelism.world_size_invariant)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         check(parse_args(sys.argv[1:] if argv is None else argv))
     except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {as_flags(str(err))}", file=sys.stderr)
         return 2
     return 0
 

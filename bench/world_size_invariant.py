@@ -1,0 +1,76 @@
+"""Benchmark 7: step time and memory of world-size-invariant training vs ordinary data parallelism (FSDP2)
+at 2 and 4 processes (target: the ratio invariant/ordinary <= 1.15).
+
+Both train the same global batch of the same micro-batches: one micro-batch of ``training.local_batch_size``
+per process per step, so both run the same forward and backward shapes and differ only in what the mode
+changes (per-micro-batch seeding, one flat gradient buffer summed by a butterfly of pairwise exchanges,
+replicated parameters and optimizer step, deterministic kernels). Every process runs one intra-op thread in
+both. Each is a real run_train.sh launch; its progress lines give ms per step, and the peak resident memory
+of rank 0 (on the CPU) or its allocated device memory. The runs alternate so that drift in the machine's
+load hits both alike.
+
+    python -m bench.world_size_invariant [--quick] [--flavor small]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from bench.common import DEBUG_CONFIG, REPO, median, parser, spread, table
+
+_PROGRESS = re.compile(r"\s([\d.]+) ms/step\s+(?:peak rss|mem) ([\d.]+) GiB")
+
+
+def step_times(nproc: int, invariant: bool, flavor: str, steps: int, log_freq: int,
+               dump: str) -> tuple[list[float], float]:
+    """(ms per step of each progress line but the first, which holds start-up; the last line's memory GiB)."""
+    local = 8
+    args = ["--job.dump_folder", dump, "--model.flavor", flavor, "--training.steps", str(steps),
+            "--metrics.log_freq", str(log_freq), "--training.local_batch_size", str(local)]
+    if invariant:
+        args += ["--parallelism.world_size_invariant", "--training.global_batch_size", str(local * nproc)]
+    env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": str(DEBUG_CONFIG), "PYTHON": sys.executable,
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(["bash", str(REPO / "run_train.sh"), *args], cwd=REPO, capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"the training run exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    lines = _PROGRESS.findall(proc.stdout)
+    return [float(ms) for ms, _ in lines][1:], float(lines[-1][1])
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0])
+    args.add_argument("--flavor", default="small", help="llama flavor (default small)")
+    args = args.parse_args()
+    rounds, steps, log_freq = (2, 30, 10) if args.quick else (4, 60, 10)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for nproc in (2, 4):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            memory: dict[bool, float] = {}
+            for index in range(rounds):
+                for invariant in (False, True):
+                    ms, gib = step_times(nproc, invariant, args.flavor, steps, log_freq,
+                                         f"{scratch}/{nproc}-{invariant}-{index}")
+                    times[invariant] += ms
+                    memory[invariant] = gib
+            for invariant, name in ((False, "ordinary (FSDP2)"), (True, "world-size-invariant")):
+                rows.append([nproc, name, f"{min(times[invariant]):.1f}", f"{median(times[invariant]):.1f}",
+                             spread(times[invariant]), f"{memory[invariant]:.2f}"])
+            # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
+            rows.append([nproc, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
+                         f"{median(times[True]) / median(times[False]):.3f}", "(target <= 1.15)",
+                         f"{memory[True] / memory[False]:.2f}"])
+    table(f"Benchmark 7: world-size-invariant vs ordinary data parallelism (llama {args.flavor}, one micro-batch "
+          f"of 8 per process per step, {rounds} rounds x {steps} steps, ms/step per progress line of "
+          f"{log_freq} steps; memory: rank 0's peak RSS on the CPU, allocated device memory on an accelerator)",
+          ["processes", "mode", "fastest ms/step", "median ms/step", "min..max", "memory GiB"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""ExactResume keeps its promise or refuses: another process count is a CheckpointError on every rank (not a
+silent inexact resume, not a KeyError on one rank), and an iterator made before load() is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import TensorDataset
+
+from torchtitan_rng import CheckpointError, ExactResume, RestoreOrderError, build_dataloader
+
+STEPS = 2
+
+
+def _loop(folder: Path) -> ExactResume:
+    """A tiny loop that saves at its last step; returns its ExactResume (loaded or fresh)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = build_dataloader(TensorDataset(torch.arange(32.0).view(16, 2)), batch_size=2, seed=0)
+    return ExactResume(folder, model=model, optimizer=optimizer, dataloader=loader, interval=STEPS, seed=0)
+
+
+def _train(exact: ExactResume) -> None:
+    assert exact.load() == 0
+    batches = iter(exact.dataloader)
+    exact.restore_rng()
+    for step in range(1, STEPS + 1):
+        (inputs,) = next(batches)
+        exact.manager.parts["model"].model(inputs).sum().backward()
+        exact.maybe_save(step, last_step=STEPS)
+
+
+def _in_group(rank: int, world: int, folder: Path, action: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store_{action}", rank=rank, world_size=world)
+    exact = _loop(folder / "checkpoint")
+    if action == "save":
+        _train(exact)
+    elif action == "load":  # the control: the same process count loads
+        assert exact.load() == STEPS
+    else:
+        with pytest.raises(CheckpointError, match=r"saved by 1 processes and this run has 2: .*run with 1 processes"):
+            exact.load()
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e  # starts processes
+def test_two_processes_refuse_a_one_process_checkpoint(tmp_path: Path) -> None:
+    _train(_loop(tmp_path / "checkpoint"))
+    mp.spawn(_in_group, args=(2, tmp_path, "refuse"), nprocs=2, join=True)
+
+
+@pytest.mark.e2e  # starts processes
+def test_one_process_refuses_a_two_process_checkpoint(tmp_path: Path) -> None:
+    mp.spawn(_in_group, args=(2, tmp_path, "save"), nprocs=2, join=True)
+    mp.spawn(_in_group, args=(2, tmp_path, "load"), nprocs=2, join=True)  # control: 2 -> 2 resumes
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes and this run has 1: .*run with 2 processes"):
+        _loop(tmp_path / "checkpoint").load()
+
+
+def test_iter_before_load_is_refused(tmp_path: Path) -> None:
+    exact = _loop(tmp_path / "checkpoint")
+    with pytest.raises(RestoreOrderError, match=r"iter\(dataloader\) was called before ExactResume.load\(\)"):
+        iter(exact.dataloader)
+    exact.load()
+    next(iter(exact.dataloader))  # in order: accepted
+
+
+def test_errors_name_parameters_not_trainer_flags(tmp_path: Path) -> None:
+    _train(_loop(tmp_path / "checkpoint"))
+    with pytest.raises(CheckpointError) as refused:
+        _loop(tmp_path / "checkpoint").load(load_step=7)
+    assert "load_step=7 not found" in str(refused.value) and "--checkpoint" not in str(refused.value)

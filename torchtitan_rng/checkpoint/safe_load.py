@@ -1,0 +1,129 @@
+"""Reading a checkpoint without running code, and checking it is whole before anything is loaded.
+
+DCP's ``.metadata`` is a pickle that DCP reads with plain ``pickle.load``, and DCP's default planner
+unpickles non-tensor items with ``weights_only=False``: both could run code from a crafted checkpoint.
+Here ``.metadata`` goes through an unpickler that knows only DCP's metadata classes, and non-tensor items
+through ``torch.load(weights_only=True)``. :func:`inspect_checkpoint` reads ``.metadata`` once per resume;
+the result is handed to the load, which does not read it again.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from torchtitan_rng.checkpoint.layout import CheckpointError, first_line, saved_world_size
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, accepting only plain data for non-tensor items: tensors, numbers, strings,
+    bytes, lists, tuples and dicts."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:  # the unpickler's refusal, whatever its type
+            raise CheckpointError(
+                f"refusing to load checkpoint item {fqn!r}: it is not plain data ({type(err).__name__}); "
+                "the checkpoint may be crafted to run code"
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # DCP's own helper
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Accepts only the classes a DCP metadata file is made of."""
+
+    _METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module in ("torch", self._METADATA_MODULE):
+            found = getattr(torch if module == "torch" else sys.modules[module], name, None)
+            if isinstance(found, torch.dtype) or (module == self._METADATA_MODULE and isinstance(found, type)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with a ``.metadata`` unpickler that cannot run code; given ``metadata`` already
+    read (by :func:`inspect_checkpoint`), it hands that out instead of reading the file again."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self._metadata
+        if metadata is None:
+            with open(os.path.join(self.path, ".metadata"), "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint holds, read once: its folder, DCP metadata, and the keys derived from them."""
+
+    path: Path
+    metadata: Metadata
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """Dotted keys of every stored value (``train_state.rank_0``, ``model.tok_embeddings.weight``)."""
+        return frozenset(self.metadata.state_dict_metadata)
+
+    @property
+    def saved_world_size(self) -> int | None:
+        """How many processes saved it (None: it has no per-rank train state)."""
+        return saved_world_size(self.keys)
+
+    def holds(self, part: str) -> bool:
+        return any(key.startswith(part + ".") for key in self.metadata.state_dict_metadata)
+
+
+def inspect_checkpoint(path: Path) -> CheckpointInfo:
+    """The metadata of a complete, undamaged checkpoint: every shard file there and long enough."""
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
+            f"{first_line(err)}); pick another with load_step="
+        ) from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; pick another "
+                                  "with load_step=")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is truncated "
+                                  f"({shard.stat().st_size} bytes, {size} expected); pick another with load_step=")
+    return CheckpointInfo(Path(path), metadata)

@@ -1,0 +1,68 @@
+"""What world-size-invariant training requires of a run, and how it sets one up.
+
+Checked before training, each refusal one line: a power-of-two process count that divides the micro-batches
+per step (``training.global_batch_size / training.local_batch_size``), a dataset whose randomness comes from
+sample keys (form 1), and no sharding (parameters are replicated). Every process runs one intra-op thread
+and torch's deterministic kernels, whatever the process count: a multi-threaded CPU kernel may split a
+reduction by its thread count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from torchtitan_rng import device as device_lib
+from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.data.global_sampler import GlobalBatchSampler
+from torchtitan_rng.data.worker_rng import uses_global_rng
+from torchtitan_rng.invariant.step import Layout
+
+_FLAG = "--parallelism.world_size_invariant"
+
+
+def check_batch_layout(config: JobConfig, world: int) -> int:
+    """The micro-batches per step; raises ConfigError when ``world`` processes cannot split them invariantly
+    (checked by the launcher too, before any process starts)."""
+    training = config.training
+    if training.global_batch_size < 1:
+        raise ConfigError(f"{_FLAG} needs training.global_batch_size (samples per optimizer step, the same at "
+                          "every process count); set it to a multiple of training.local_batch_size")
+    if training.global_batch_size % training.local_batch_size:
+        raise ConfigError(f"{_FLAG}: training.global_batch_size = {training.global_batch_size} is not a multiple "
+                          f"of training.local_batch_size = {training.local_batch_size} (the micro-batch); "
+                          "choose a multiple")
+    micro_batches = training.global_batch_size // training.local_batch_size
+    if world & (world - 1) or micro_batches % world:
+        raise ConfigError(f"{_FLAG} needs a power-of-two number of processes that divides the {micro_batches} "
+                          f"micro-batches per step (global / local batch size); got {world} processes")
+    if config.parallelism.data_parallel_shard_degree != -1:
+        raise ConfigError(f"{_FLAG} replicates the model instead of sharding it; leave "
+                          "parallelism.data_parallel_shard_degree at -1")
+    if config.data.streaming:
+        raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
+                          "index; drop --data.streaming")
+    return micro_batches
+
+
+def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> Layout:
+    """This rank's share of each step; raises ConfigError when the run cannot be world-size-invariant."""
+    micro_batches = check_batch_layout(config, world)
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset; {type(dataset).__name__} is "
+                          "an IterableDataset")
+    if uses_global_rng(dataset):
+        raise ConfigError(f"{_FLAG} needs a dataset that derives its randomness from sample keys (form 1, "
+                          f"SampleRandomDataset); {type(dataset).__name__} may draw from the global RNGs")
+    return Layout(micro_batches=micro_batches, rank=rank, world=world)
+
+
+def use_fixed_kernels() -> None:
+    """The same kernels at every process count: one intra-op thread, deterministic algorithms."""
+    torch.set_num_threads(1)
+    device_lib.use_deterministic_algorithms()
+
+
+def global_sampler(num_samples: int, config: JobConfig, layout: Layout) -> GlobalBatchSampler:
+    return GlobalBatchSampler(num_samples, config.training.local_batch_size, layout.micro_batches, layout.rank,
+                              layout.world, config.debug.seed)
