@@ -12,8 +12,9 @@ from pathlib import Path
 from torchtitan_rng.launch.runs import run_training, training_command
 
 REPO = Path(__file__).resolve().parents[1]
-# Checkpoints every 2 steps: the bad-input tests' runs save at step 2.
-STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2")
+# Checkpoints every 2 steps: the bad-input tests' runs save at step 2. The horizon is pinned: their resumes
+# go to step 3 or 4 on the saved run's learning-rate curve (a resume may not move it).
+STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "4")
 
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -35,9 +35,11 @@ def _formula_lr(step: int, *overrides: str) -> str:
 def extended(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 6-step run, extended to 8 steps, then to 10 with the schedule pinned to 12 steps."""
     dump = tmp_path_factory.mktemp("lr_truth")
+    # A moved horizon is refused unless allowed (tests/test_config_drift.py); allowed, the config's applies.
+    allowed = ("--checkpoint.allow_config_change", "lr_scheduler.total_steps")
     train(dump, "--training.steps", "6", *CHECKPOINTED)
-    train(dump, "--training.steps", "8", *CHECKPOINTED)
-    train(dump, "--training.steps", "10", "--lr_scheduler.total_steps", "12", *CHECKPOINTED)
+    train(dump, "--training.steps", "8", *CHECKPOINTED, *allowed)
+    train(dump, "--training.steps", "10", "--lr_scheduler.total_steps", "12", *CHECKPOINTED, *allowed)
     return dump
 
 

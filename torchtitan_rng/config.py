@@ -149,6 +149,8 @@ class Checkpoint:
     strict_rng: bool = False
     # Restore the CPU/NumPy/Python streams from a checkpoint saved on another device type.
     allow_device_type_change: bool = False
+    # Keys that may differ from the checkpoint's run record (a WARNING each); any other change is refused.
+    allow_config_change: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -384,6 +386,15 @@ def validate(config: JobConfig) -> None:
             raise ConfigError(
                 f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(PARTS)}"
             )
+    _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
+
+
+def _validate_key_list(config: JobConfig, dotted: str, keys: list[str]) -> None:
+    for name in keys:
+        section, _, key = name.partition(".")
+        if section not in _section_fields(config) or key not in _section_fields(getattr(config, section)):
+            raise ConfigError(f"config {dotted} has {name!r}, which is not a config key (use section.key, "
+                              "e.g. optimizer.lr)")
 
 
 def parse_perturb_rng(value: str) -> tuple[str, int, int]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 
 from torchtitan_rng.config import ConfigError, parse_args, usage
-from torchtitan_rng.launch import preemption
+from torchtitan_rng.launch import orphans, preemption
 
 
 def main(argv: list[str] | None = None) -> int:
+    orphans.die_with_launcher()
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
         print(usage("python -m torchtitan_rng.train"))

@@ -11,16 +11,17 @@ each step boundary the ranks agree on it, save at that step and exit 0 (see laun
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint import resume
+from torchtitan_rng.checkpoint import integrity, resume, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
@@ -34,11 +35,11 @@ from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distribu
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
-from torchtitan_rng.launch import preemption, run_lock
+from torchtitan_rng.launch import preemption, preflight, run_lock
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
-from torchtitan_rng.optimizer import build_optimizer
+from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
 from torchtitan_rng import parallelize
 from torchtitan_rng.train_step import forward_backward, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
@@ -52,16 +53,23 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
-def _take_run_lock(world: World, dump_folder: Path) -> None:
-    """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
-    refused: run_lock.RunLockError | None = None
+def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
+    """Run ``check`` on rank 0 only; when it refuses, every rank raises (rank 0 with its own message)."""
+    refused: Exception | None = None
     if world.rank == 0:
         try:
-            run_lock.acquire(dump_folder)  # released at exit
-        except run_lock.RunLockError as err:
+            check()
+        except (run_lock.RunLockError, CheckpointError, ConfigError) as err:
             refused = err
     if all_ranks_agree_any(refused is not None, world.device):
-        raise refused or run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)")
+        raise refused or elsewhere
+
+
+def _take_run_lock(world: World, dump_folder: Path) -> None:
+    """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
+    run_lock.join(dump_folder)  # under the launcher's lock: this rank's pid keeps it held while it lives
+    _on_rank_zero(world, lambda: run_lock.acquire(dump_folder),  # released at exit
+                  run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)"))
 
 
 class Trainer:
@@ -91,6 +99,8 @@ class Trainer:
         self.accumulation = accumulation = 1 if invariant else gradient_accumulation_steps(config, world.dp_world)
         self.dump_folder = Path(config.job.dump_folder)
         _take_run_lock(world, self.dump_folder)
+        _on_rank_zero(world, lambda: preflight.refuse_restart_over_history(config),
+                      ConfigError("the dump folder already holds a run (rank 0 says more)"))
 
         # Model: identical initial weights on every rank (shared stream), then sharded over the dp mesh.
         seed_model_init(config.debug.seed)
@@ -147,9 +157,29 @@ class Trainer:
             hooks=self.faults,
             log=self._log,
         )
+        self.checkpointer.run_record = run_record.build_record(config, dataset)
         self._closing.callback(lambda: self.checkpointer.close(abandon=self._failed))
         self.stream_plan, self.resumed_from = resume.resume(
-            config, world.world_size, self.checkpointer, self.train_state, self.dataloader.batch_sampler, self._log)
+            config, world.world_size, self.checkpointer, self.train_state, self.dataloader.batch_sampler, self._log,
+            vet=self._vet)
+        # The config, not a loaded checkpoint, sets the hyperparameters (the schedule: lr_scheduler.py): the
+        # same values unless checkpoint.allow_config_change let one change, and then the new one applies.
+        hyperparameters_from_config(self.optimizer, config)
+
+    def _vet(self, checkpoint: Path) -> None:
+        """Before loading: its files as written (read once: by the launcher, or here by rank 0), and the
+        config it was trained with against this one (every rank decides alike from the same files)."""
+        verified = os.environ.get(integrity.VERIFIED_ENV) == str(checkpoint)
+        if not (verified and (checkpoint / integrity.CHECKSUMS_NAME).is_file()):
+            def verify() -> None:
+                if not integrity.verify_integrity(checkpoint):
+                    self._log(f"WARNING: checkpoint {checkpoint} has no checksums (saved by an older version): "
+                              "damage to its files cannot be detected")
+            _on_rank_zero(self.world, verify,
+                          CheckpointError(f"checkpoint {checkpoint} is damaged (rank 0 names the file)"))
+        for line in run_record.check_resume(checkpoint, run_record.read_record(checkpoint),
+                                            self.checkpointer.run_record, self.config.checkpoint.allow_config_change):
+            self._log(line)
 
     def _log(self, message: str) -> None:
         if self.world.rank == 0:
@@ -219,8 +249,8 @@ class Trainer:
         self._failed = False
         if stopped_at is not None:
             self._log(f"stopped by {preemption.received() or 'a signal to another rank'} at step {stopped_at}: "
-                      f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; run the same command "
-                      "again (with --checkpoint.enable) to resume")
+                      f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; "
+                      f"{preflight.how_to_resume(config)}")
         return 0
 
     def _step(self, step: int, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
@@ -259,7 +289,7 @@ def run(config: JobConfig) -> int:
             trainer.train()
         finally:
             trainer.close()
-    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
+    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     preemption.mark_clean_exit()

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from torchtitan_rng.checkpoint import layout
+from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError, first_line
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
@@ -86,6 +86,8 @@ class CheckpointManager:
         self._pending: tuple[int, Future, float] | None = None  # the background save: step, future, start time
         self._background_group: Any = None
         self._stager: HostCopyStager | None = None
+        # The run's record (run_record.py), written into every checkpoint when set.
+        self.run_record: dict[str, Any] | None = None
 
     def should_save(self, step: int, last_step: int | None = None) -> bool:
         """The policy: a multiple of ``interval``, or the last step."""
@@ -191,7 +193,11 @@ class CheckpointManager:
             self._stager.close()
 
     def _complete(self, step: int) -> None:
-        os.replace(layout.partial_dir(self.folder, step), layout.step_dir(self.folder, step))
+        partial = layout.partial_dir(self.folder, step)
+        if self.run_record is not None:
+            run_record.write_record(partial, self.run_record)
+        integrity.write_checksums(partial)  # last: it covers every file above
+        os.replace(partial, layout.step_dir(self.folder, step))
         self._hook("save_renamed", step)
         self._prune(step)
 

@@ -71,10 +71,13 @@ class Loaded:
 
 def load_checkpoint(manager: CheckpointManager, path: Path, *, world_size: int,
                     on_world_size_change: str | None = None, exclude: Sequence[str] = (),
-                    invariant: bool = False) -> Loaded:
+                    invariant: bool = False, vet: Callable[[Path], None] | None = None) -> Loaded:
     """Inspect ``path`` once (whole, safe, saved by how many processes) and load it into ``manager``'s parts.
-    ``invariant``: the data position follows from the step, so the dataloader is not loaded."""
+    ``invariant``: the data position follows from the step, so the dataloader is not loaded. ``vet`` may
+    refuse the checkpoint after the inspection, before anything is loaded."""
     info = inspect_checkpoint(path)
+    if vet is not None:
+        vet(path)
     reseed = world_size_changed(info, world_size, on_world_size_change, invariant)
     result = manager.load(info, exclude=[*exclude, *([layout.DATALOADER] if reseed or invariant else [])])
     return Loaded(info, result, reseed)
@@ -89,10 +92,11 @@ class StreamPlan:
 
 
 def resume(config: JobConfig, world_size: int, checkpointer: CheckpointManager, train_state: TrainState,
-           sampler: ResumableBatchSampler | GlobalBatchSampler,
-           log: Callable[[str], None]) -> tuple[StreamPlan, Path | None]:
+           sampler: ResumableBatchSampler | GlobalBatchSampler, log: Callable[[str], None],
+           vet: Callable[[Path], None] | None = None) -> tuple[StreamPlan, Path | None]:
     """The trainer's resume: load the checkpoint to start from, if any; returns how the random streams
-    start and the checkpoint loaded (None: a fresh start). ``log`` prints on rank 0."""
+    start and the checkpoint loaded (None: a fresh start). ``log`` prints on rank 0; ``vet`` (files and
+    run record) may refuse the checkpoint before it is loaded."""
     ckpt = config.checkpoint
     if not ckpt.enable:
         if ckpt.initial_load_path or ckpt.load_step >= 0:
@@ -103,7 +107,7 @@ def resume(config: JobConfig, world_size: int, checkpointer: CheckpointManager, 
         return StreamPlan("fresh"), None
     invariant = config.parallelism.world_size_invariant
     loaded = load_checkpoint(checkpointer, path, world_size=world_size, on_world_size_change=ckpt.on_world_size_change,
-                             exclude=ckpt.exclude_from_loading, invariant=invariant)
+                             exclude=ckpt.exclude_from_loading, invariant=invariant, vet=vet)
     last_step = config.training.steps
     layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                                   if checkpointer.should_save(step, last_step)])

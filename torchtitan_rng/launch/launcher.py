@@ -28,7 +28,8 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from torchtitan_rng.launch import preemption, preflight, run_lock
+from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.config import ConfigError, as_flags, parse_args
 
@@ -43,15 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     single_node = args.nnodes == "1"
     try:
         config = parse_args(args.training_script_args)
-        preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
+        resumed = preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
-    except (ConfigError, CheckpointError, run_lock.RunLockError) as err:
+        if lock is not None:  # after the lock: a run in progress is named as such, not as a history
+            preflight.refuse_restart_over_history(config)
+    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
     os.environ[preemption.EXIT_DIR_ENV] = str(exit_dir)
+    os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
+    if resumed is not None:  # its files were just verified: rank 0 need not read them all again
+        os.environ[integrity.VERIFIED_ENV] = str(resumed)
     if lock is not None:
         os.environ[run_lock.TOKEN_ENV] = lock.token
     try:
@@ -62,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
         clean, expected = preemption.clean_exits(exit_dir)
         if expected and clean == expected:
-            print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; run the same command "
-                  "again to resume", flush=True)
+            print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
+                  f"{preflight.how_to_resume(config)}", flush=True)
             return 0
         print(f"error: stopped by {err.sigval.name} before every rank had checkpointed ({clean} local ranks "
-              "exited cleanly); a rerun resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+              f"exited cleanly); to resume from the newest complete checkpoint, "
+              f"{preflight.how_to_resume(config).removesuffix(' to resume')}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = min(err.failures.items())

@@ -10,36 +10,72 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torchtitan_rng.checkpoint.layout import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint.integrity import verify_integrity
+from torchtitan_rng.checkpoint.layout import CheckpointError, complete_steps, resolve_checkpoint
 from torchtitan_rng.checkpoint.resume import world_size_changed
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
 from torchtitan_rng.config import ConfigError, JobConfig, as_flags, parse_args
 from torchtitan_rng.invariant.setup import check_batch_layout
 from torchtitan_rng.launch import preemption
+from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.train_spec import get_train_spec
 
 
-def check(config: JobConfig, world_size: int | None = None) -> None:
+def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     """Raise ConfigError/CheckpointError for anything that would stop the run once started; the
-    checkpoint it would resume from must be complete and (when ``world_size`` is known) fit it."""
-    get_train_spec(config)
+    checkpoint it would resume from must be complete, undamaged, trained with a config this run may
+    continue, and (when ``world_size`` is known) fit it. Returns that checkpoint (None: a fresh start)."""
+    spec = get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
     if config.parallelism.world_size_invariant and world_size is not None:
         check_batch_layout(config, world_size)
     ckpt = config.checkpoint
-    if ckpt.enable:
-        path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
-        if path is not None:
-            info = inspect_checkpoint(path)  # also checks every shard file
-            if world_size is not None:
-                world_size_changed(info, world_size, ckpt.on_world_size_change,
-                                   config.parallelism.world_size_invariant)
+    if not ckpt.enable:
+        return None
+    path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
+    if path is None:
+        return None
+    info = inspect_checkpoint(path)  # also checks every shard file
+    verify_integrity(path)
+    # Refused changes fail here, before any rank starts; the warnings are rank 0's to print.
+    run_record.check_resume(path, run_record.read_record(path), run_record.build_record(config, spec.build_dataset(config)),
+                            ckpt.allow_config_change)
+    if world_size is not None:
+        world_size_changed(info, world_size, ckpt.on_world_size_change, config.parallelism.world_size_invariant)
+    return path
+
+
+def refuse_restart_over_history(config: JobConfig) -> None:
+    """A run without --checkpoint.enable would train from step 1 again and append a second history to the
+    loss log: refused when the dump folder holds a loss log or checkpoints. Nothing is ever deleted; a
+    fresh start goes into another dump folder."""
+    if config.checkpoint.enable:
+        return
+    dump = Path(config.job.dump_folder)
+    log = loss_log_path(dump)
+    steps = complete_steps(dump / config.checkpoint.folder)
+    held = ([log.name] if log.is_file() and log.stat().st_size > 0 else []) + (
+        [f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
+    if held:
+        raise ConfigError(
+            f"dump folder {dump} already holds a run ({'; '.join(held)}) and checkpoint.enable is off, so this "
+            "run would start again from step 1 over it: add --checkpoint.enable to resume it, or pass another "
+            "--job.dump_folder (or move this one away) to start afresh"
+        )
+
+
+def how_to_resume(config: JobConfig) -> str:
+    """The resume instruction that is true for this config (the shipped configs leave checkpointing off)."""
+    if config.checkpoint.enable:
+        return "run the same command again to resume"
+    return "run the same command again with --checkpoint.enable to resume"
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         check(parse_args(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, CheckpointError) as err:
+    except (ConfigError, CheckpointError, run_record.ConfigDriftError) as err:
         print(f"error: {as_flags(str(err))}", file=sys.stderr)
         return 2
     return 0

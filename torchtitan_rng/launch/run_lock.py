@@ -1,8 +1,9 @@
 """One run per dump folder: ``{dump_folder}/.run.lock`` names the run that holds it.
 
 Two runs writing the same checkpoints and loss log would corrupt each other's resume, so the second one
-refuses, naming the first. The lock is a file created with O_EXCL holding JSON (pid, host, start time,
-command, a random token); its holder refreshes its modification time every ``HEARTBEAT_S`` seconds.
+refuses, naming the first. The lock is a file created with O_EXCL whose first line is JSON (pid, host,
+start time, command, a random token); its holder refreshes its modification time every ``HEARTBEAT_S``
+seconds.
 
 A lock is stale, and taken over, when its process is gone (same host: the pid no longer exists) or its
 heartbeat stopped more than ``STALE_AFTER_S`` seconds ago (any host: a job killed on another node).
@@ -10,6 +11,10 @@ heartbeat stopped more than ``STALE_AFTER_S`` seconds ago (any host: a job kille
 Who takes it: the launcher (``run_train.sh``, one node) before torchrun starts, passing its token to the
 ranks in ``TORCHTITAN_RNG_RUN_LOCK``; a rank whose environment carries the lock's token runs under it.
 Otherwise (``python train.py``, plain torchrun, several nodes) rank 0 takes it for the run.
+
+Ranks under the launcher's lock append a line with their pid to it (``join``): a launcher killed
+outright leaves ranks that may still write, and the lock is not stale while one of them lives. (They
+also die with the launcher: launch/orphans.py.)
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 LOCK_NAME = ".run.lock"
 TOKEN_ENV = "TORCHTITAN_RNG_RUN_LOCK"
@@ -40,15 +45,35 @@ def lock_path(dump_folder: str | Path) -> Path:
     return Path(dump_folder) / LOCK_NAME
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The lock's lines: the holder first, then one per rank that joined (an unreadable line is skipped)."""
     try:
-        holder = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return holder if isinstance(holder, dict) else None
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        records.append(record if isinstance(record, dict) else {})
+    return records
 
 
-def _pid_alive(pid: int) -> bool:
+def _read(path: Path) -> dict[str, Any] | None:
+    records = _records(path)
+    return records[0] or None if records else None
+
+
+def _live_ranks(path: Path) -> list[int]:
+    """Pids of this host's ranks that joined the lock and are still alive."""
+    host = socket.gethostname()
+    return [int(rank["pid"]) for rank in _records(path)[1:]
+            if rank.get("host") == host and isinstance(rank.get("pid"), int) and pid_alive(rank["pid"])]
+
+
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,6 +84,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_stale(path: Path, holder: dict[str, Any] | None) -> bool:
+    if _live_ranks(path):  # whatever became of the launcher, its ranks still run
+        return False
     try:
         age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
@@ -67,13 +94,24 @@ def _is_stale(path: Path, holder: dict[str, Any] | None) -> bool:
         return True
     if holder is None:  # being written right now by its creator, or garbage that will age out
         return False
-    return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
+    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", -1)))
 
 
-def describe(holder: dict[str, Any] | None) -> str:
+def describe(holder: dict[str, Any] | None, live_ranks: Sequence[int] = ()) -> str:
     if holder is None:
         return "a run whose lock file cannot be read yet"
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+    ranks = f"; its ranks {', '.join(map(str, live_ranks))} still run" if live_ranks else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}{ranks}"
+
+
+def join(dump_folder: str | Path) -> None:
+    """In a rank under the launcher's lock: add this process to it (a no-op outside the launcher)."""
+    token = os.environ.get(TOKEN_ENV)
+    path = lock_path(dump_folder)
+    if not token or (_read(path) or {}).get("token") != token:
+        return
+    with path.open("a") as file:  # one short O_APPEND write: ranks joining at once do not mix lines
+        file.write("\n" + json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
 
 
 class RunLock:
@@ -125,7 +163,8 @@ def acquire(dump_folder: str | Path) -> RunLock:
                 return RunLock(path, inherited, owned=False)
             if not _is_stale(path, holder):
                 raise RunLockError(
-                    f"dump folder {path.parent} is in use by another run ({describe(holder)}; lock file {path}); "
+                    f"dump folder {path.parent} is in use by another run ({describe(holder, _live_ranks(path))}; lock "
+                    f"file {path}); "
                     f"wait for it to finish or use another --job.dump_folder (delete the lock file only if that "
                     f"run is gone)"
                 ) from None

@@ -1,0 +1,194 @@
+"""The run record: what a checkpoint was trained with, and whether a resume may change it.
+
+Every checkpoint holds ``run.json`` (rank 0 writes it into ``step-N.partial`` before the rename): the
+run's resolved config (every key), a fingerprint of its data and the versions that trained it. A JSON
+file rather than a DCP item: preflight and people read it without torch, it is never unpickled, and DCP's
+one-copy-per-key rule does not apply to it.
+
+On resume every difference of the *resolved* values is classified. ``lr_scheduler.total_steps = 0``
+means ``training.steps``, so the horizon is compared, not the spelling: stopping with ``--training.steps
+10 --lr_scheduler.total_steps 20`` and resuming with ``--training.steps 20`` changes nothing.
+
+* Quiet: keys that cannot change the trajectory (``QUIET``).
+* Refused by default: every other key, and the data's content. One line per key (saved and new value,
+  what to do); ``checkpoint.allow_config_change KEY,...`` turns a key's refusal into a WARNING.
+* A checkpoint without ``run.json`` (an older version): a WARNING, resumed as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
+
+RECORD_NAME = "run.json"
+_FORMAT = 1
+# Bytes hashed at each end of a dataset file: cheap on any size, and a changed file almost always
+# differs in size or at one end.
+_HASHED_END_BYTES = 1 << 20
+
+# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
+QUIET = (
+    "job.config_file", "job.dump_folder", "job.description",
+    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
+    "metrics.*", "signals.*",
+    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
+    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
+    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
+    # (data.on_num_workers_change).
+    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
+    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
+    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
+)
+# Compared through the data fingerprint: the same file under another path changes nothing.
+_DATA_KEY = "training.dataset_path"
+_HORIZON = "lr_scheduler.total_steps"
+
+
+class ConfigDriftError(ValueError):
+    """A resume with changed trajectory keys; the message has one line per key."""
+
+
+def project_version() -> str:
+    try:
+        return metadata.version("torchtitan_rng")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as file:
+        digest.update(file.read(_HASHED_END_BYTES))
+        if size > _HASHED_END_BYTES:
+            file.seek(max(_HASHED_END_BYTES, size - _HASHED_END_BYTES))
+            digest.update(file.read())
+    return {"bytes": size, "blake2b_ends": digest.hexdigest()}
+
+
+def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
+    """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
+    number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
+    # A stream (an IterableDataset) has no length: its file's fingerprint stands for it.
+    fingerprint: dict[str, Any] = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
+    path = Path(config.training.dataset_path)
+    if config.training.dataset_path and path.is_file():
+        fingerprint.update(_file_fingerprint(path))
+    return fingerprint
+
+
+def resolved(config: JobConfig) -> dict[str, Any]:
+    """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
+    values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
+    values[_HORIZON] = lr_total_steps(config)
+    return values
+
+
+def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
+    import torch  # only the trainer, which has torch loaded, builds a record
+
+    return {
+        "format": _FORMAT,
+        "config": resolved(config),
+        "data": data_fingerprint(config, dataset),
+        "versions": {"torchtitan_rng": project_version(), "torch": torch.__version__,
+                     "python": platform.python_version()},
+    }
+
+
+def write_record(folder: Path, record: dict[str, Any]) -> None:
+    (folder / RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def read_record(checkpoint: Path) -> dict[str, Any] | None:
+    """The record of a checkpoint, None when it has none (saved by an older version)."""
+    path = checkpoint / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} is damaged (not the JSON this trainer "
+                               "writes); pick another checkpoint with --checkpoint.load_step")
+    return record
+
+
+def is_quiet(key: str) -> bool:
+    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    new: Any
+    # What changed, when "KEY = NEW but the checkpoint was trained with SAVED" does not say it.
+    what: str = ""
+
+    def describe(self, checkpoint: Path) -> str:
+        return (self.what.format(checkpoint=checkpoint) if self.what else
+                f"{self.key} = {self.new!r} but checkpoint {checkpoint} was trained with {self.saved!r}")
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
+    """The trajectory keys whose resolved value differs (quiet keys left out), in key order. A key only one
+    side has (added or removed by another version) is not compared: the record cannot say its old value."""
+    saved_config, config = saved["config"], current["config"]
+    changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
+               if key != _DATA_KEY and not is_quiet(key) and saved_config[key] != config[key]]
+    steps, horizon = config.get("training.steps", 0), config.get(_HORIZON, 0)
+    ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(_HORIZON, 0)
+    if horizon == saved_config.get(_HORIZON) and steps > horizon and not ran_past_before:
+        changes.append(Change(_HORIZON, horizon, horizon, what=(
+            f"training.steps = {steps} runs past lr_scheduler.total_steps = {horizon}, the horizon checkpoint "
+            f"{{checkpoint}} was trained with (steps {horizon + 1}-{steps} would train at the schedule's final "
+            "learning rate)")))
+    if saved.get("data") != current["data"]:
+        before, now = saved.get("data"), current["data"]
+        changes.append(Change(_DATA_KEY, before, now, what=(
+            f"{_DATA_KEY} = {config.get(_DATA_KEY)!r} is other data than checkpoint {{checkpoint}} was trained with "
+            f"(saved: {_describe_data(saved_config.get(_DATA_KEY), before)}; now: "
+            f"{_describe_data(config.get(_DATA_KEY), now)})")))
+        changes.sort(key=lambda change: change.key)
+    return changes
+
+
+def _describe_data(path: Any, fingerprint: Any) -> str:
+    source = repr(path) if path else "the built-in text"
+    if not isinstance(fingerprint, dict):
+        return f"{source}, no fingerprint"
+    return ", ".join([source, *(f"{key} {value}" for key, value in sorted(fingerprint.items()))])
+
+
+def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any],
+                 allowed: list[str]) -> list[str]:
+    """Warnings to print for a resume that may go on; raises ConfigDriftError for refused changes."""
+    if saved is None:
+        return [f"WARNING: checkpoint {checkpoint} holds no {RECORD_NAME} (saved by an older version): the config "
+                "it was trained with is unknown, so a changed key cannot be detected"]
+    warnings: list[str] = []
+    refused: list[str] = []
+    for change in differences(saved, current):
+        if change.key in allowed:
+            warnings.append(f"WARNING: {change.describe(checkpoint)}; going on as checkpoint.allow_config_change "
+                            f"allows {change.key}: this run is no longer the one that was stopped")
+        else:
+            refused.append(f"{change.describe(checkpoint)}: resume with the saved value, or pass "
+                           f"--checkpoint.allow_config_change {change.key} to continue with the new one (the run is "
+                           "then no longer exact)")
+    if refused:
+        raise ConfigDriftError("\nerror: ".join(refused))
+    saved_version = (saved.get("versions") or {}).get("torchtitan_rng")
+    if saved_version != current["versions"]["torchtitan_rng"]:
+        warnings.append(f"note: checkpoint {checkpoint} was saved by torchtitan_rng {saved_version}, this is "
+                        f"{current['versions']['torchtitan_rng']}")
+    return warnings
