@@ -31,7 +31,8 @@ from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
-from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
+from torchtitan_rng.distributed import (World, all_ranks_agree_any, init_distributed, mean_over_ranks, on_rank_zero,
+                                        teardown)
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
@@ -57,14 +58,7 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
     """Run ``check`` on rank 0 only; when it refuses, every rank raises (rank 0 with its own message)."""
-    refused: Exception | None = None
-    if world.rank == 0:
-        try:
-            check()
-        except (run_lock.RunLockError, CheckpointError, ConfigError) as err:
-            refused = err
-    if all_ranks_agree_any(refused is not None, world.device):
-        raise refused or elsewhere
+    on_rank_zero(check, elsewhere, world.device, (run_lock.RunLockError, CheckpointError, ConfigError))
 
 
 def _take_run_lock(world: World, dump_folder: Path) -> None:
