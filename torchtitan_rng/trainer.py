@@ -27,7 +27,7 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.config import ConfigError, JobConfig, as_flags
-from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
+from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
@@ -63,6 +63,7 @@ def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exceptio
 
 def _take_run_lock(world: World, dump_folder: Path) -> None:
     """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
+    preflight.check_dump_folder(dump_folder)
     run_lock.join(dump_folder)  # under the launcher's lock: this rank's pid keeps it held while it lives
     _on_rank_zero(world, lambda: run_lock.acquire(dump_folder),  # released at exit
                   run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)"))
@@ -108,6 +109,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
 
         dataset = spec.build_dataset(config)
+        if not isinstance(dataset, WindowStream) and (problem := map_style_problem(dataset)):
+            raise ConfigError(f"model {config.model.name!r} (build_dataset of its TrainSpec): {problem}")
         self.layout = (invariant_setup.plan_layout(config, world.rank, world.world_size, dataset) if invariant
                        else None)
         loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
