@@ -176,11 +176,12 @@ def _record_values(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     return values
 
 
-def _shut_down_at_exit(dataloader: ResumableDataLoader | None) -> None:
-    """Before interpreter teardown (atexit, or when the ExactResume is collected): the loader's workers end
-    while the process group and DDP's reducer are still whole; left to teardown they can hang the exit."""
-    if dataloader is not None:
-        shutdown_workers(dataloader)
+def _shut_down_at_exit(dataloader: weakref.ref[ResumableDataLoader] | None) -> None:
+    """At close(), or at exit before interpreter teardown: the loader's workers end while the process group
+    and DDP's reducer are still whole; left to teardown, their order is arbitrary and can hang the exit."""
+    loader = dataloader() if dataloader is not None else None
+    if loader is not None:
+        shutdown_workers(loader)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -258,7 +259,9 @@ class ExactResume:
         if stop_signals:
             # Before iter(dataloader) forks the workers: they learn which signals to ignore.
             preemption.install(tuple(stop_signals))
-        self._at_exit = weakref.finalize(self, _shut_down_at_exit, dataloader)
+        # Weak: the loader refers to this object (before_iter), which must stay collectable.
+        self._at_exit = weakref.finalize(self, _shut_down_at_exit,
+                                         weakref.ref(dataloader) if dataloader is not None else None)
 
     def __enter__(self) -> ExactResume:
         return self
