@@ -167,7 +167,7 @@ def _record_values(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                            if key != "params"})
     if dataloader is not None:
         sampler = dataloader.batch_sampler
-        values.update({"dataloader.batch_size": dataloader.batch_sampler.batch_size,
+        values.update({"dataloader.batch_size": sampler.batch_size,
                        "dataloader.num_workers": dataloader.num_workers_configured,
                        "dataloader.seed": getattr(sampler, "seed", None),
                        "dataloader.shuffle": getattr(sampler, "shuffle", None),
