@@ -147,8 +147,8 @@ def test_plugin_example_resumes_exactly(plugin_runs: tuple[Path, Path]) -> None:
 def test_plugin_control_differs(plugin_runs: tuple[Path, Path], tmp_path: Path) -> None:
     uninterrupted, resumed = plugin_runs
     resume_from_copy(resumed, PLUGIN_STOP, tmp_path)
-    train(tmp_path, "--checkpoint.enable", "--lr_scheduler.total_steps", str(PLUGIN_STEPS),
-          "--checkpoint.restore_rng", "false", config=PLUGIN_CONFIG, env=PLUGIN_ENV, via_run_train=True)
+    train(tmp_path, "--checkpoint.enable", "--training.steps", str(PLUGIN_STEPS), "--lr_scheduler.total_steps",
+          str(PLUGIN_STEPS), "--checkpoint.restore_rng", "false", config=PLUGIN_CONFIG, env=PLUGIN_ENV, via_run_train=True)
     assert_first_difference(uninterrupted, tmp_path, PLUGIN_STOP + 1)
 
 

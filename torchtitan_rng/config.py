@@ -26,6 +26,7 @@ else:  # pragma: no cover - Python 3.10
 # The random streams a run fingerprints (debug.rng_fingerprint), in the order diagnoses list them; a
 # generator registered with rng.register_generator is the stream "registered.NAME".
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "device", "dataloader")
+COMPILE_COMPONENTS = ("model", "loss")
 _PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
 
 
@@ -64,9 +65,29 @@ class Training:
     # Flux: "uniform" or "logit_normal" timesteps.
     timestep_sampling: str = "logit_normal"
     image_size: int = 16
-    # Samples per optimizer step over all data-parallel ranks, in micro-batches of local_batch_size (used by
-    # parallelism.world_size_invariant); -1: local_batch_size x data-parallel size.
+    # Samples per optimizer step over all data-parallel ranks, in micro-batches of local_batch_size; -1:
+    # local_batch_size x data-parallel size. Ordinary data parallelism accumulates gradients over
+    # global / (local x dp) micro-batches; parallelism.world_size_invariant splits them its own way.
     global_batch_size: int = -1
+    # "bfloat16": bf16 compute (FSDP2 parameters with several processes, autocast with one).
+    mixed_precision_param: str = "float32"
+    # The dtype gradients are reduced in across ranks (FSDP2).
+    mixed_precision_reduce: str = "float32"
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    # What to compile: "model" (each transformer block) and "loss" (the loss around the model call).
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+
+
+@dataclass
+class ActivationCheckpoint:
+    # "none", "full" (every block) or "selective" (see selective_ac_option).
+    mode: str = "none"
+    # "op": save matmul outputs and recompute the rest in every block; an integer N: every Nth block in full.
+    selective_ac_option: str = "op"
 
 
 @dataclass
@@ -176,6 +197,8 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     data: Data = field(default_factory=Data)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
@@ -189,6 +212,9 @@ class JobConfig:
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "training.timestep_sampling": ("uniform", "logit_normal"),
+    "training.mixed_precision_param": ("float32", "bfloat16"),
+    "training.mixed_precision_reduce": ("float32",),
+    "activation_checkpoint.mode": ("none", "full", "selective"),
     "data.on_num_workers_change": ("error", "warn"),
     "optimizer.name": ("AdamW", "Adam", "SGD"),
     "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
@@ -339,6 +365,20 @@ def validate(config: JobConfig) -> None:
             "config checkpoint.keep_latest_k = 1 cannot be used with checkpoint.async_mode = 'async' "
             "(the previous checkpoint may still be written); use keep_latest_k >= 2 or 0"
         )
+    for name in config.compile.components:
+        if name not in COMPILE_COMPONENTS:
+            raise ConfigError(
+                f"config compile.components has {name!r}; valid components: {', '.join(COMPILE_COMPONENTS)}"
+            )
+    option = config.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"config activation_checkpoint.selective_ac_option = {option!r} is not valid; use \"op\" or a "
+            "positive integer N (every Nth block)"
+        )
+    global_batch = config.training.global_batch_size
+    if global_batch != -1 and global_batch < 1:
+        raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
     for name in config.checkpoint.exclude_from_loading:
@@ -409,6 +449,20 @@ def usage(prog: str) -> str:
 def lr_total_steps(config: JobConfig) -> int:
     """The horizon of the learning-rate schedule (pinned by lr_scheduler.total_steps)."""
     return config.lr_scheduler.total_steps or config.training.steps
+
+
+def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:
+    """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp), which must divide."""
+    local = config.training.local_batch_size * dp_world
+    global_batch = config.training.global_batch_size
+    if global_batch == -1:
+        return 1
+    if global_batch % local:
+        raise ConfigError(
+            f"config training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
+            f"data-parallel size = {config.training.local_batch_size} x {dp_world} = {local}; choose a multiple"
+        )
+    return global_batch // local
 
 
 # The parameters that the library layers (checkpoint manager, own-loop API, dataloader) name in their errors

@@ -14,11 +14,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
 from torchtitan_rng.config import ConfigError, JobConfig
 
 Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch, JobConfig], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,18 @@ class TrainSpec:
     # of one sample; ``len(dataset)`` is the number of distinct samples in an epoch.
     build_dataset: Callable[[JobConfig], Dataset]
     # The training loss for a batch already on the device; may draw from the global streams.
-    loss_fn: Callable[[nn.Module, Batch, JobConfig], torch.Tensor]
-    # Shards the model over the data-parallel mesh (FSDP2); called only with several processes.
-    apply_fsdp: Callable[[nn.Module, Any], None]
+    loss_fn: LossFn
+    # Shards the model over the data-parallel mesh (FSDP2) with the given MixedPrecisionPolicy; called only
+    # with several processes.
+    apply_fsdp: Callable[[nn.Module, Any, MixedPrecisionPolicy], None]
     # Items a sample counts for throughput, and their unit ("tokens" or "images").
     items_per_sample: Callable[[JobConfig], int]
     throughput_unit: str
     # Optional validation pass: (model, config, step, dump_folder, device) -> metrics to log.
     validate: Callable[[nn.Module, JobConfig, int, Path, torch.device], dict[str, float]] | None = None
+    # The lists of repeated blocks (transformer layers) that activation checkpointing and compile wrap, and
+    # that apply_fsdp shards one by one; None: the model has none (those options are then refused).
+    block_lists: Callable[[nn.Module], list[nn.ModuleList]] | None = None
 
 
 _specs: dict[str, TrainSpec] = {}

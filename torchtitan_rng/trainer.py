@@ -26,7 +26,7 @@ from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
-from torchtitan_rng.config import ConfigError, JobConfig, as_flags
+from torchtitan_rng.config import ConfigError, JobConfig, as_flags, gradient_accumulation_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
@@ -41,12 +41,10 @@ from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
+from torchtitan_rng import parallelize
+from torchtitan_rng.train_step import forward_backward, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_model_init
-from torchtitan_rng.train_spec import Batch, get_train_spec
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+from torchtitan_rng.train_spec import get_train_spec
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -92,6 +90,8 @@ class Trainer:
         elif config.debug.deterministic:
             device_lib.use_deterministic_algorithms()
         self.spec = spec = get_train_spec(config)
+        # The invariant mode splits global_batch_size into micro-batches itself.
+        self.accumulation = accumulation = 1 if invariant else gradient_accumulation_steps(config, world.dp_world)
         self.dump_folder = Path(config.job.dump_folder)
         _take_run_lock(world, self.dump_folder)
         _on_rank_zero(world, lambda: preflight.refuse_restart_over_history(config),
@@ -101,8 +101,12 @@ class Trainer:
         seed_model_init(config.debug.seed)
         self.model = model = spec.build_model(config).to(world.device)
         self.param_count = sum(p.numel() for p in model.parameters())
+        parallelize.apply_activation_checkpointing(model, spec, config)
+        parallelize.apply_compile(model, spec, config)
         if world.world_size > 1 and not invariant:  # the invariant mode replicates parameters
-            spec.apply_fsdp(model, world.mesh)
+            spec.apply_fsdp(model, world.mesh, parallelize.fsdp_mixed_precision(config))
+        self.loss_fn = parallelize.compiled_loss(spec.loss_fn, model, config)
+        self.compute_context = parallelize.autocast_context(config, world.device, world.world_size)
         model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config)
@@ -116,7 +120,8 @@ class Trainer:
         loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,
                        "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
                        "prefetch_factor": config.data.prefetch_factor,
-                       "snapshot_every_n_steps": config.data.snapshot_every_n_steps}
+                       # The loader counts micro-batches: the user's cadence is in optimizer steps.
+                       "snapshot_every_n_steps": config.data.snapshot_every_n_steps * accumulation}
         self.dataloader: ResumableDataLoader | StreamingDataLoader
         if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
             self.dataloader = StreamingDataLoader(dataset, **loader_args)
@@ -214,7 +219,8 @@ class Trainer:
             log_freq=config.metrics.log_freq,
             last_step=last_step,
             items_per_step=self.spec.items_per_sample(config) * (config.training.global_batch_size if self.layout else
-                                                                  config.training.local_batch_size * world.dp_world),
+                                                                  config.training.local_batch_size * world.dp_world
+                                                                  * self.accumulation),
             unit=self.spec.throughput_unit,
             device=world.device,
             enabled=world.rank == 0,
@@ -250,12 +256,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.layout is not None:  # its loss is the same tree sum on every rank
             loss = invariant_step.forward_backward(self.model, self.params,
-                                                   lambda: _to_device(next(batches), self.world.device),
+                                                   lambda: to_device(next(batches), self.world.device),
                                                    self.spec.loss_fn, config, self.layout, step)
         else:
-            loss = self.spec.loss_fn(self.model, _to_device(next(batches), self.world.device), config)
-            loss.backward()
-            loss = mean_over_ranks(loss)
+            loss = mean_over_ranks(forward_backward(self.model, batches, self.loss_fn, config, self.accumulation,
+                                                    self.world.device, self.compute_context))
         grad_norm = _clip_grad_norm(self.params, config.training.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()

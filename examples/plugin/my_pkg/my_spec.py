@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Dataset
 
 from torchtitan_rng import ConfigError, JobConfig, SampleRandomDataset, TrainSpec, register_train_spec
@@ -74,10 +74,10 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor], config: JobConfig)
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 
-def apply_fsdp(model: nn.Module, mesh: object) -> None:
+def apply_fsdp(model: nn.Module, mesh: object, mp_policy: MixedPrecisionPolicy) -> None:
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 register_train_spec(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtitan_rng.models.flux.dataset import FluxDataset
 from torchtitan_rng.models.flux.model import FluxModel, build_flux_model, flux_loss
@@ -11,13 +11,13 @@ from torchtitan_rng.models.flux.validation import validate
 from torchtitan_rng.train_spec import TrainSpec, register_train_spec
 
 
-def apply_fsdp(model: FluxModel, mesh: DeviceMesh) -> None:
+def apply_fsdp(model: FluxModel, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
     """Shard each transformer block, then the transformer. The frozen encoders stay whole on every rank:
     they are small, have no gradients to reduce, and sit outside every sharded module."""
     transformer = model.transformer
     for block in [*transformer.double_blocks, *transformer.single_blocks]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(transformer, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy)
 
 
 register_train_spec(
@@ -30,5 +30,6 @@ register_train_spec(
         items_per_sample=lambda config: 1,
         throughput_unit="images",
         validate=validate,
+        block_lists=lambda model: [model.transformer.double_blocks, model.transformer.single_blocks],
     )
 )

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.token_files import vocab_size
@@ -31,10 +31,10 @@ def llama_loss(model: nn.Module, batch: Batch, config: JobConfig) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
-def shard_llama(model: nn.Module, mesh: object) -> None:
+def shard_llama(model: nn.Module, mesh: object, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 register_train_spec(
@@ -46,5 +46,6 @@ register_train_spec(
         apply_fsdp=shard_llama,
         items_per_sample=lambda config: config.training.seq_len,
         throughput_unit="tokens",
+        block_lists=lambda model: [model.layers],
     )
 )
