@@ -17,13 +17,39 @@ resumes exactly only with the same ``data.num_workers`` (the dataloader checks i
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import Stateful
 
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
-from torchtitan_rng.rng import capture_host_rng, restore_host_rng
+from torchtitan_rng.rng import restore_host_rng
+
+
+def capture_worker_rng() -> dict[str, Any]:
+    """This worker's Python, NumPy and torch CPU streams, in the form cheapest to send with a batch.
+
+    torchdata pickles a worker's snapshot into the batch's queue message: a torch tensor there is moved
+    to shared memory (about a millisecond per batch), while tuples of ints and numpy arrays pickle as
+    plain bytes. The checkpoint codec stores both (an array as a tensor).
+    """
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch_cpu": torch.get_rng_state().numpy()}
+
+
+def restore_worker_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_worker_rng` took (arrays come back from a checkpoint as tensors)."""
+    if isinstance(state["python"], dict):  # a checkpoint written before the compact form
+        restore_host_rng(state)
+        return
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(torch.as_tensor(np.asarray(state["torch_cpu"], dtype=np.uint8)))
 
 
 class WorkerRNGDataset(Dataset):
@@ -43,7 +69,7 @@ class WorkerRNGDataset(Dataset):
         if isinstance(self.dataset, Stateful):  # keep the wrapped dataset's own state, as torchdata would
             state["dataset"] = self.dataset.state_dict()
         if get_worker_info() is not None:
-            state["worker_rng"] = capture_host_rng()
+            state["worker_rng"] = capture_worker_rng()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -51,7 +77,7 @@ class WorkerRNGDataset(Dataset):
             self.dataset.load_state_dict(state["dataset"])
         # Only inside a worker: in the main process TrainState owns these streams.
         if "worker_rng" in state and get_worker_info() is not None:
-            restore_host_rng(state["worker_rng"])
+            restore_worker_rng(state["worker_rng"])
 
 
 def uses_global_rng(dataset: Dataset) -> bool:
