@@ -17,7 +17,9 @@ resumes exactly only with the same ``data.num_workers`` (the dataloader checks i
 
 from __future__ import annotations
 
+import array
 import random
+import struct
 from typing import Any
 
 import numpy as np
@@ -29,27 +31,45 @@ from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.rng import restore_host_rng
 
 
-def capture_worker_rng() -> dict[str, Any]:
-    """This worker's Python, NumPy and torch CPU streams, in the form cheapest to send with a batch.
+# The packed form: a header, then Python's 625 state words, NumPy's 624 keys (uint32 each), then torch's
+# CPU generator state. Header: Python's version, has-gauss flag and gauss_next; NumPy's position, has-gauss
+# flag and cached gaussian.
+_HEADER = struct.Struct("<iBdiBd")
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+_PY_WORDS, _NP_KEYS = 625, 624
 
-    torchdata pickles a worker's snapshot into the batch's queue message: a torch tensor there is moved
-    to shared memory (about a millisecond per batch), while tuples of ints and numpy arrays pickle as
-    plain bytes. The checkpoint codec stores both (an array as a tensor).
+
+def capture_worker_rng() -> np.ndarray:
+    """This worker's Python, NumPy and torch CPU streams packed into one uint8 array.
+
+    torchdata pickles a worker's snapshot into the queue message of a batch and diffs it against the
+    previous one: a torch tensor there is moved to shared memory (about a millisecond), and every nested
+    value is one more item to diff and pickle. One array pickles as its bytes; the checkpoint codec stores it
+    as a tensor.
     """
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch_cpu": torch.get_rng_state().numpy()}
+    version, internal, gauss_next = random.getstate()
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    header = _HEADER.pack(version, gauss_next is not None, gauss_next or 0.0, pos, has_gauss, cached_gaussian)
+    packed = b"".join((header, array.array(_U32, internal).tobytes(), keys.astype("<u4", copy=False).tobytes(),
+                       torch.get_rng_state().numpy().tobytes()))
+    return np.frombuffer(bytearray(packed), dtype=np.uint8)  # writable: the codec makes a tensor of it
 
 
-def restore_worker_rng(state: dict[str, Any]) -> None:
-    """Put back what :func:`capture_worker_rng` took (arrays come back from a checkpoint as tensors)."""
-    if isinstance(state["python"], dict):  # a checkpoint written before the compact form
+def restore_worker_rng(state: Any) -> None:
+    """Put back what :func:`capture_worker_rng` took (an array, or a uint8 tensor from a checkpoint)."""
+    if isinstance(state, dict):  # a checkpoint written before the packed form
         restore_host_rng(state)
         return
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
-    torch.set_rng_state(torch.as_tensor(np.asarray(state["torch_cpu"], dtype=np.uint8)))
+    raw = np.asarray(state, dtype=np.uint8).tobytes()
+    version, has_py_gauss, py_gauss, pos, has_gauss, cached_gaussian = _HEADER.unpack_from(raw)
+    start = _HEADER.size
+    internal = array.array(_U32, raw[start : start + 4 * _PY_WORDS])
+    start += 4 * _PY_WORDS
+    keys = np.frombuffer(raw, dtype="<u4", count=_NP_KEYS, offset=start).astype(np.uint32)
+    start += 4 * _NP_KEYS
+    random.setstate((version, tuple(internal), py_gauss if has_py_gauss else None))
+    np.random.set_state(("MT19937", keys, pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(torch.frombuffer(bytearray(raw[start:]), dtype=torch.uint8))
 
 
 class WorkerRNGDataset(Dataset):
