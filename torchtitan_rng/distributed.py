@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,20 @@ def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def on_rank_zero(check: Callable[[], object], elsewhere: Exception, device: torch.device,
+                 refusals: tuple[type[Exception], ...]) -> None:
+    """Run ``check`` on rank 0 only (e.g. reading every byte of a checkpoint once); when it raises one of
+    ``refusals``, every rank raises: rank 0 its own error, the others ``elsewhere``."""
+    refused: Exception | None = None
+    if rank_and_world_size()[0] == 0:
+        try:
+            check()
+        except refusals as err:
+            refused = err
+    if all_ranks_agree_any(refused is not None, device):
+        raise refused or elsewhere
 
 
 def teardown(*, clean: bool = True) -> None:

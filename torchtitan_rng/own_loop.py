@@ -4,34 +4,43 @@ Three additions to an existing loop::
 
     loader = build_dataloader(dataset, batch_size=8, seed=SEED)          # instead of DataLoader(...)
     exact = ExactResume(folder, model=model, optimizer=opt, dataloader=loader, interval=100, seed=SEED)
-    start = exact.load()                  # newest complete checkpoint in ``folder``; 0 when there is none
-    batches = iter(loader)
-    exact.restore_rng()                   # the step boundary: after start-up, before the first batch
-    for step in range(start + 1, last_step + 1):
-        ...                               # fetch, forward, backward, optimizer step
-        exact.maybe_save(step, last_step=last_step)
+    with exact:                           # close(): the loader's workers end, saves are finished
+        start = exact.load()              # newest complete checkpoint in ``folder``; 0 when there is none
+        batches = iter(loader)
+        exact.restore_rng()               # the step boundary: after start-up, before the first batch
+        for step in range(start + 1, last_step + 1):
+            ...                           # fetch, forward, backward, optimizer step
+            exact.maybe_save(step, last_step=last_step)
+            if exact.should_stop(step):   # a stop signal (stop_signals=...): saved at this step on every rank
+                break
 
 The pieces it bundles (TrainState, CheckpointManager, ResumableDataLoader) stay usable on their own.
 """
 
 from __future__ import annotations
 
+import json
+import sys
+import weakref
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError, resolve_checkpoint
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.resume import load_checkpoint
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
-from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style
+from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style, shutdown_workers
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.distributed import all_ranks_agree_any, on_rank_zero, rank_and_world_size
+from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import seed_training_streams
 
 
@@ -124,6 +133,57 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
     )
 
 
+class _OwnLoopOptIn(run_record.OptIn):
+    """``load(allow_changes=[...])``: an entry names a key, a section ("optimizer", "model", "config") or a
+    key's last part ("lr" allows the lr of every param group)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="allow_changes", how='allow_changes=["{key}"]')
+
+    def allows(self, key: str, allowed: Sequence[str]) -> bool:
+        return any(key == entry or key.startswith(f"{entry}.") or key.endswith(f".{entry}") for entry in allowed)
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` when JSON holds it as it is (numbers, strings, lists of them); else its repr."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _record_values(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   dataloader: ResumableDataLoader | None, world_size: int,
+                   config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What a loop was built with, as ``section.key``: a resume with another value is not the same run."""
+    values: dict[str, Any] = {"processes": world_size}
+    values.update({f"model.{name}": list(param.shape) for name, param in model.named_parameters()})
+    if optimizer is not None:
+        values["optimizer.type"] = type(optimizer).__name__
+        for index, group in enumerate(optimizer.param_groups):
+            values[f"optimizer.group{index}.params"] = len(group["params"])
+            values.update({f"optimizer.group{index}.{key}": _json_value(value) for key, value in group.items()
+                           if key != "params"})
+    if dataloader is not None:
+        sampler = dataloader.batch_sampler
+        values.update({"dataloader.batch_size": sampler.batch_size,
+                       "dataloader.num_workers": dataloader.num_workers_configured,
+                       "dataloader.seed": getattr(sampler, "seed", None),
+                       "dataloader.shuffle": getattr(sampler, "shuffle", None),
+                       "dataloader.samples": getattr(sampler, "num_samples", None)})
+    values.update({f"config.{key}": _json_value(value) for key, value in (config or {}).items()})
+    return values
+
+
+def _shut_down_at_exit(dataloader: weakref.ref[ResumableDataLoader] | None) -> None:
+    """At close(), or at exit before interpreter teardown: the loader's workers end while the process group
+    and DDP's reducer are still whole; left to teardown, their order is arbitrary and can hang the exit."""
+    loader = dataloader() if dataloader is not None else None
+    if loader is not None:
+        shutdown_workers(loader)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
@@ -149,12 +209,25 @@ class ExactResume:
         seed: on a run that starts fresh, :meth:`restore_rng` seeds this rank's global streams from
             ``(seed, rank)``; None leaves them as they are.
         device: the device whose generator is captured along with the CPU ones; default: the model's.
+        config: your own settings that shape the run (e.g. ``{"warmup": 100, "data": "v2"}``; JSON values),
+            recorded with every checkpoint and compared at :meth:`load` like the rest of the record.
+        stop_signals: signals (e.g. ``("SIGTERM", "SIGUSR1")``) that only set a flag from now on; the
+            loader's workers ignore them. :meth:`should_stop` turns the flag into a save at an agreed step.
+
+    Every checkpoint records what the loop was built with: parameter names and shapes, the optimizer's
+    type and hyperparameters per param group, the loader's batch size, seed, shuffle, sample count and
+    workers, the process count and ``config``. :meth:`load` refuses a resume that changed any of them,
+    except the loader's workers (the loader has its own policy, ``on_num_workers_change``).
+
+    Use it as a context manager (or call :meth:`close`): the loader's workers end and saves are finished
+    before the process group goes. Without either, the workers are still shut down at interpreter exit.
     """
 
     def __init__(self, folder: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  dataloader: ResumableDataLoader | None = None, lr_scheduler: Stateful | None = None,
                  extra: Mapping[str, Stateful] | None = None, interval: int, keep_latest_k: int = 0,
-                 seed: int | None = None, device: torch.device | None = None) -> None:
+                 seed: int | None = None, device: torch.device | None = None,
+                 config: Mapping[str, Any] | None = None, stop_signals: Sequence[str] = ()) -> None:
         if interval < 1:
             raise ValueError(f"interval = {interval}: it must be >= 1")
         if dataloader is not None and not isinstance(dataloader, ResumableDataLoader):
@@ -170,11 +243,41 @@ class ExactResume:
                                  train_state=self.train_state, extras=extra)
         self.manager = CheckpointManager(Path(folder), parts, interval=interval, keep_latest_k=keep_latest_k,
                                          rank=self.rank)
+        self.optimizer = optimizer
+        # As built (the record holds them as JSON): allow_changes puts these back over the loaded ones.
+        self._built_hyperparameters = [{key: value for key, value in group.items() if key != "params"}
+                                       for group in (optimizer.param_groups if optimizer is not None else [])]
+        self._stop_on_signal = bool(stop_signals)
+        self.record = run_record.make_record(_record_values(model, optimizer, dataloader, self.world_size, config),
+                                             None)
+        self.manager.run_record = self.record
         self.loaded_from: Path | None = None
         self._load_called = False
         self._step_at_load = 0
         if dataloader is not None:
             dataloader.before_iter = self._refuse_iter_before_load
+        if stop_signals:
+            # Before iter(dataloader) forks the workers: they learn which signals to ignore.
+            preemption.install(tuple(stop_signals))
+        # Weak: the loader refers to this object (before_iter), which must stay collectable.
+        self._at_exit = weakref.finalize(self, _shut_down_at_exit,
+                                         weakref.ref(dataloader) if dataloader is not None else None)
+
+    def __enter__(self) -> ExactResume:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close(failed=error is not None)
+
+    def close(self, *, failed: bool = False) -> None:
+        """End the run's resources: the loader's worker processes, and a save still being written (with
+        ``failed``, left unfinished as ``step-N.partial``, which is never loaded). Call it on every rank
+        before destroying the process group; a second call does nothing."""
+        try:
+            self.manager.close(abandon=failed)
+        finally:
+            self._at_exit()  # the workers, once
 
     @property
     def step(self) -> int:
@@ -182,19 +285,26 @@ class ExactResume:
         return self.train_state.step
 
     def load(self, *, load_step: int = -1, initial_load_path: str | Path = "",
-             exclude: Sequence[str] = ()) -> int:
+             exclude: Sequence[str] = (), allow_changes: Sequence[str] = ()) -> int:
         """Load the newest complete checkpoint in ``folder`` (or ``load_step``; or, when ``folder`` has
         none, one from ``initial_load_path``) and return its step; 0 when there is nothing to load.
 
         The random streams are only remembered here; :meth:`restore_rng` puts them back. Raises
-        :class:`CheckpointError` when the checkpoint was saved by another number of processes (it cannot
-        resume exactly) or lacks a part this run needs; ``exclude`` names parts to leave as they are instead.
+        :class:`CheckpointError` (one line per reason, on every rank) when the checkpoint's files changed
+        since the save, when it was saved by another number of processes (it cannot resume exactly), when
+        the loop was built with other values than the checkpoint recorded (each key with the saved and the
+        new value), or when it lacks a part this run needs; ``exclude`` names parts to leave as they are
+        instead. ``allow_changes`` names recorded keys that may differ (a key, a section such as
+        ``"optimizer"``, or a last part such as ``"lr"``): a WARNING each on stderr, and the optimizer
+        hyperparameters you built with replace the saved ones.
         """
         self._load_called = True
         path = resolve_checkpoint(self.manager.folder, load_step, initial_load_path)
         if path is None:
             return 0
-        loaded = load_checkpoint(self.manager, path, world_size=self.world_size, exclude=exclude)
+        loaded = load_checkpoint(self.manager, path, world_size=self.world_size, exclude=exclude,
+                                 vet=lambda checkpoint: self._vet(checkpoint, allow_changes))
+        self._apply_allowed_changes(path)
         if loaded.result.missing:
             raise CheckpointError(
                 f"checkpoint {path} holds no {', '.join(loaded.result.missing)} for this run (saved without that "
@@ -223,6 +333,36 @@ class ExactResume:
         if self.seed is not None:
             seed_training_streams(self.seed, self.rank)
         return False
+
+    def _vet(self, checkpoint: Path, allow_changes: Sequence[str]) -> None:
+        """Before loading: the files as written (rank 0 reads them once), then the record against this loop."""
+        def verify() -> None:
+            if not integrity.verify_integrity(checkpoint) and self.rank == 0:
+                print(f"WARNING: checkpoint {checkpoint} has no checksums (saved by an older version): damage to "
+                      "its files cannot be detected", file=sys.stderr, flush=True)
+
+        on_rank_zero(verify, CheckpointError(f"checkpoint {checkpoint} is damaged (rank 0 names the file)"),
+                     self.train_state.device, (CheckpointError,))
+        try:
+            warnings = run_record.check_resume(checkpoint, run_record.read_record(checkpoint), self.record,
+                                               allow_changes, _OwnLoopOptIn())
+        except run_record.ConfigDriftError as err:
+            raise CheckpointError(str(err)) from None
+        for line in warnings if self.rank == 0 else ():
+            print(line, file=sys.stderr, flush=True)
+
+    def _apply_allowed_changes(self, checkpoint: Path) -> None:
+        """The optimizer hyperparameters that ``allow_changes`` let differ: the values built with, not the
+        checkpoint's (which loading the optimizer's state put back)."""
+        saved = run_record.read_record(checkpoint)
+        if saved is None or self.optimizer is None:
+            return
+        for change in run_record.differences(saved, self.record):
+            section, _, rest = change.key.partition(".")
+            group, _, name = rest.partition(".")
+            if section == "optimizer" and group.startswith("group") and name not in ("params", ""):
+                index = int(group[len("group"):])
+                self.optimizer.param_groups[index][name] = self._built_hyperparameters[index][name]
 
     def _refuse_iter_before_load(self) -> None:
         if not self._load_called:
@@ -259,3 +399,14 @@ class ExactResume:
         path = self.manager.save(step, force=True)
         assert path is not None  # a forced save always writes (or already wrote) this step
         return path
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to leave the loop after ``step``: True on every rank when any rank got one of
+        ``stop_signals``, and then ``step`` has been saved (a collective: call it on every rank after
+        :meth:`maybe_save`, every step). Without ``stop_signals`` it is always False and costs nothing."""
+        if not self._stop_on_signal:
+            return False
+        if not all_ranks_agree_any(preemption.received() is not None, self.train_state.device):
+            return False
+        self.save(step)
+        return True

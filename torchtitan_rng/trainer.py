@@ -30,11 +30,12 @@ from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.config import (ConfigError, JobConfig, as_flags, gradient_accumulation_steps,
                                    snapshot_every_n_steps)
-from torchtitan_rng.data.dataloader import ResumableDataLoader, shutdown_workers
+from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
-from torchtitan_rng.distributed import World, all_ranks_agree_any, init_distributed, mean_over_ranks, teardown
+from torchtitan_rng.distributed import (World, all_ranks_agree_any, init_distributed, mean_over_ranks, on_rank_zero,
+                                        teardown)
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
@@ -59,18 +60,12 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
     """Run ``check`` on rank 0 only; when it refuses, every rank raises (rank 0 with its own message)."""
-    refused: Exception | None = None
-    if world.rank == 0:
-        try:
-            check()
-        except (run_lock.RunLockError, CheckpointError, ConfigError) as err:
-            refused = err
-    if all_ranks_agree_any(refused is not None, world.device):
-        raise refused or elsewhere
+    on_rank_zero(check, elsewhere, world.device, (run_lock.RunLockError, CheckpointError, ConfigError))
 
 
 def _take_run_lock(world: World, dump_folder: Path) -> None:
     """Rank 0 takes the dump folder's lock (or runs under the launcher's); every rank learns the outcome."""
+    preflight.check_dump_folder(dump_folder)
     run_lock.join(dump_folder)  # under the launcher's lock: this rank's pid keeps it held while it lives
     _on_rank_zero(world, lambda: run_lock.acquire(dump_folder),  # released at exit
                   run_lock.RunLockError("rank 0 could not take the dump folder's lock (see its message)"))
@@ -122,6 +117,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
 
         dataset = spec.build_dataset(config)
+        if not isinstance(dataset, WindowStream) and (problem := map_style_problem(dataset)):
+            raise ConfigError(f"model {config.model.name!r} (build_dataset of its TrainSpec): {problem}")
         self.layout = (invariant_setup.plan_layout(config, world.rank, world.world_size, dataset) if invariant
                        else None)
         loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.dp_rank,

@@ -14,6 +14,7 @@ Errors name this class's parameters; test hooks (fault injection) are handed in,
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -46,6 +47,30 @@ class SaveHooks(Protocol):
 def _first_failure(err: CheckpointException) -> BaseException:
     """The original exception inside DCP's wrapper (one per failed rank)."""
     return next(iter(err.failures.values()))[0]
+
+
+# No space left, a file-size limit, a quota: to the user, all "the disk is full".
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a write failed for lack of space. torch's writer reports a short write as "unexpected pos";
+    the OSError behind it is in the exception's context."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _save_failure(step: int, folder: Path, err: BaseException) -> CheckpointError:
+    """One line for a failed save: "the disk is full" when it is, else the original error's first line."""
+    cause = _first_failure(err) if isinstance(err, CheckpointException) else err
+    if _disk_full(cause):
+        return CheckpointError(f"saving step {step} into {folder} failed: the disk is full; the complete "
+                               "checkpoints there are kept (this one stays an unfinished .partial, never loaded): free space, then resume")
+    return CheckpointError(f"saving step {step} into {folder} failed: {type(cause).__name__}: {first_line(cause)}")
 
 
 @dataclass
@@ -110,9 +135,7 @@ class CheckpointManager:
         try:
             return self._write(step, in_background)
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
-            cause = _first_failure(err) if isinstance(err, CheckpointException) else err
-            raise CheckpointError(f"saving step {step} into {self.folder} failed: {type(cause).__name__}: "
-                                  f"{first_line(cause)}") from None
+            raise _save_failure(step, self.folder, err) from None
 
     def _write(self, step: int, in_background: bool) -> Path:
         started = time.perf_counter()
@@ -175,7 +198,7 @@ class CheckpointManager:
         try:
             future.result()
         except (Exception, dcp.CheckpointException) as err:  # DCP's wrapper is a BaseException
-            raise CheckpointError(f"the background save of step {step} failed: {first_line(err)}") from None
+            raise _save_failure(step, self.folder, err) from None
         # DCP's coordinator (rank 0) writes .metadata after every rank's write: its future done means all are.
         if self.rank == 0:
             self._complete(step)

@@ -76,9 +76,9 @@ def load_checkpoint(manager: CheckpointManager, path: Path, *, world_size: int,
     ``invariant``: the data position follows from the step, so the dataloader is not loaded. ``vet`` may
     refuse the checkpoint after the inspection, before anything is loaded."""
     info = inspect_checkpoint(path)
+    reseed = world_size_changed(info, world_size, on_world_size_change, invariant)  # its own message, first
     if vet is not None:
         vet(path)
-    reseed = world_size_changed(info, world_size, on_world_size_change, invariant)
     result = manager.load(info, exclude=[*exclude, *([layout.DATALOADER] if reseed or invariant else [])])
     return Loaded(info, result, reseed)
 

@@ -23,7 +23,7 @@ import platform
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
 
@@ -43,6 +43,7 @@ QUIET = (
     # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
     # (data.on_num_workers_change).
     "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
+    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
     "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
     "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
 )
@@ -92,12 +93,18 @@ def resolved(config: JobConfig) -> dict[str, Any]:
 
 
 def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    import torch  # only the trainer, which has torch loaded, builds a record
+    return make_record(resolved(config), data_fingerprint(config, dataset))
+
+
+def make_record(values: dict[str, Any], data: dict[str, Any] | None) -> dict[str, Any]:
+    """A record of ``values`` (``section.key``: a JSON value) and a data fingerprint; ExactResume builds its own
+    values. JSON round-trip: a tuple compares equal to the list it is read back as."""
+    import torch  # only a training process, which has torch loaded, builds a record
 
     return {
         "format": _FORMAT,
-        "config": resolved(config),
-        "data": data_fingerprint(config, dataset),
+        "config": json.loads(json.dumps(values, sort_keys=True)),
+        "data": data,
         "versions": {"torchtitan_rng": project_version(), "torch": torch.__version__,
                      "python": platform.python_version()},
     }
@@ -169,8 +176,19 @@ def _describe_data(path: Any, fingerprint: Any) -> str:
     return ", ".join([source, *(f"{key} {value}" for key, value in sorted(fingerprint.items()))])
 
 
+@dataclass(frozen=True)
+class OptIn:
+    """How a refused key is let through: its name in the messages, and which keys an allowed list names."""
+
+    name: str = "checkpoint.allow_config_change"
+    how: str = "--checkpoint.allow_config_change {key}"  # what to pass, in the refusal
+
+    def allows(self, key: str, allowed: Sequence[str]) -> bool:
+        return key in allowed
+
+
 def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any],
-                 allowed: list[str]) -> list[str]:
+                 allowed: Sequence[str], opt_in: OptIn = OptIn()) -> list[str]:
     """Warnings to print for a resume that may go on; raises ConfigDriftError for refused changes."""
     if saved is None:
         return [f"WARNING: checkpoint {checkpoint} holds no {RECORD_NAME} (saved by an older version): the config "
@@ -178,12 +196,12 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
     warnings: list[str] = []
     refused: list[str] = []
     for change in differences(saved, current):
-        if change.key in allowed:
-            warnings.append(f"WARNING: {change.describe(checkpoint)}; going on as checkpoint.allow_config_change "
+        if opt_in.allows(change.key, allowed):
+            warnings.append(f"WARNING: {change.describe(checkpoint)}; going on as {opt_in.name} "
                             f"allows {change.key}: this run is no longer the one that was stopped")
         else:
             refused.append(f"{change.describe(checkpoint)}: resume with the saved value, or pass "
-                           f"--checkpoint.allow_config_change {change.key} to continue with the new one (the run is "
+                           f"{opt_in.how.format(key=change.key)} to continue with the new one (the run is "
                            "then no longer exact)")
     if refused:
         raise ConfigDriftError("\nerror: ".join(refused))

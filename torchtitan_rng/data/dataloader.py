@@ -27,15 +27,21 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
-def require_map_style(dataset: Any) -> None:
-    """A TypeError in one line unless ``dataset`` is map-style: the sampler's position is what resumes."""
+def map_style_problem(dataset: Any) -> str | None:
+    """None when ``dataset`` is map-style (the sampler's position is what resumes); else one line saying why not."""
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         kind = "an IterableDataset" if isinstance(dataset, IterableDataset) else "not map-style"
-        raise TypeError(
-            f"the dataset is {kind} ({type(dataset).__name__}): a resumable dataloader needs a map-style dataset "
-            "(__len__ and __getitem__(index)), whose order it draws and saves per rank; index your data in a "
-            "torch.utils.data.Dataset"
-        )
+        return (f"the dataset is {kind} ({type(dataset).__name__}): a resumable dataloader needs a map-style dataset "
+                "(__len__ and __getitem__(index)), whose order it draws and saves per rank; index your data in a "
+                "torch.utils.data.Dataset")
+    return None
+
+
+def require_map_style(dataset: Any) -> None:
+    """A TypeError in one line unless ``dataset`` is map-style."""
+    problem = map_style_problem(dataset)
+    if problem is not None:
+        raise TypeError(problem)
 
 
 class _WorkerInit:

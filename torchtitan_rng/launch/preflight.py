@@ -7,6 +7,7 @@ Exit 0 when the run can start; 2 with one line naming the problem otherwise.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     continue, and (when ``world_size`` is known) fit it. Returns that checkpoint (None: a fresh start)."""
     spec = get_train_spec(config)
     preemption.signal_numbers(config.signals.checkpoint_on)
+    check_dump_folder(Path(config.job.dump_folder))
     if config.parallelism.world_size_invariant and world_size is not None:
         check_batch_layout(config, world_size)
     ckpt = config.checkpoint
@@ -44,6 +46,18 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     if world_size is not None:
         world_size_changed(info, world_size, ckpt.on_world_size_change, config.parallelism.world_size_invariant)
     return path
+
+
+def check_dump_folder(dump: Path) -> None:
+    """The dump folder must be a folder (or one that can be created) that this process may write into."""
+    existing = next(folder for folder in (dump, *dump.absolute().parents) if folder.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == dump else f"is inside {existing}, which is a file"
+        raise ConfigError(f"config job.dump_folder = {str(dump)!r} {where}, not a folder: pass --job.dump_folder "
+                          "with a folder (an existing run's to resume it, a new one to start)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config job.dump_folder = {str(dump)!r}: {existing} is not writable (permission denied "
+                          "or a read-only filesystem): pass --job.dump_folder with a folder you can write into")
 
 
 def refuse_restart_over_history(config: JobConfig) -> None:
