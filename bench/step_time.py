@@ -1,8 +1,8 @@
 """Benchmark 1: training step time with every resume feature on vs. off, in the same process (target: the
 ratio on/off <= 1.01).
 
-On (the defaults): dataloader state snapshots at every step, worker RNG capture, the per-step stop-signal
-check. Off: snapshots every 10^9 steps, no worker RNG capture, no signals. Both: the real trainer (its
+On (the defaults): dataloader state snapshots every checkpoint.interval steps, worker RNG capture, the
+stop-signal check at every progress line. Off: snapshots every 10^9 steps, no worker RNG capture, no signals. Both: the real trainer (its
 progress lines give the time per step), dataloader workers, no checkpoint saves (benchmarks 2 and 3 time
 those). The runs alternate on/off so that drift in the machine's load hits both alike.
 

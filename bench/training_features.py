@@ -3,8 +3,8 @@
 Features (the llama debug config, one process, 2 dataloader workers): plain; gradient accumulation (2
 micro-batches per step); activation checkpointing (full, selective per op); bf16 autocast; torch.compile
 (model and loss); all of them together. For each, the step time with the resume machinery on (the
-defaults: dataloader snapshots every step, worker RNG capture, the stop-signal check) and off (as in
-benchmark 1), in alternating rounds, in one process. Compile warm-up and start-up fall in the first
+defaults: dataloader snapshots every checkpoint.interval steps, worker RNG capture, the stop-signal check)
+and off (as in benchmark 1), in alternating rounds, in one process. Compile warm-up and start-up fall in the first
 progress line, which is left out.
 
     python -m bench.training_features [--quick]

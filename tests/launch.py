@@ -15,6 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Checkpoints every 2 steps: the bad-input tests' runs save at step 2. The horizon is pinned: their resumes
 # go to step 3 or 4 on the saved run's learning-rate curve (a resume may not move it).
 STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "4")
+# The runs here log every 1000 steps (quiet output), so between checkpoints the loss log is written and a stop
+# signal heeded only at the end. A test that watches the log grow, or signals a run and expects it to stop at
+# the next step, adds this.
+EVERY_STEP = ("--metrics.log_freq", "1")
 
 
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import compare, start, train, wait_for_log_lines
+from launch import EVERY_STEP, compare, start, train, wait_for_log_lines
 from torchtitan_rng.launch import run_lock
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.lr_scheduler import WarmupDecay
@@ -182,7 +182,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 def test_ranks_die_with_a_killed_launcher_and_a_resubmission_resumes(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
-    args = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", *CKPT)
+    args = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", *CKPT, *EVERY_STEP)
     launcher = start(dump, *args, nproc=2)
     try:
         wait_for_log_lines(dump, 3, launcher)

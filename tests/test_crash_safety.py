@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from checks import assert_every_line_matches
+from checks import assert_every_line_matches, float_bits
 from launch import compare, train
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
+from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
 
@@ -92,3 +93,22 @@ def test_control_resume_without_rng_differs(uninterrupted: Path, killed_and_resu
           "--lr_scheduler.total_steps", "20")
     result = compare(uninterrupted, tmp_path, "--only-common-steps")
     assert result.returncode == 1 and result.stdout.startswith("first differing step 16:"), result.stdout
+
+
+def test_kill_between_two_log_flushes_loses_only_what_the_resume_redoes(tmp_path: Path) -> None:
+    """With metrics.log_freq 4 and a checkpoint every 3 steps the log is written at steps 3, 4, 6 and 8.
+    SIGKILL before step 6 loses step 5 (finished, not yet written); the resume from step 3 writes it again,
+    with the bits of a run that wrote every step as it finished."""
+    run = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", "--checkpoint.enable",
+           "--checkpoint.interval", "3")
+    train(tmp_path / "A", *run, "--metrics.log_freq", "1")
+    killed = train(tmp_path / "B", *run, "--metrics.log_freq", "4", env={FAULT_ENV: "before_step:6"}, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # Control: the kill did fall between two writes, so step 5 was really lost.
+    assert sorted(read_loss_log(tmp_path / "B")) == [1, 2, 3, 4]
+    assert complete_steps(tmp_path / "B" / "checkpoint") == [3]
+    train(tmp_path / "B", *run, "--metrics.log_freq", "4")
+    assert sorted(read_loss_log(tmp_path / "B")) == list(range(1, 9))
+    assert_every_line_matches(tmp_path / "A", tmp_path / "B")
+    reference, resumed = read_loss_log(tmp_path / "A"), read_loss_log(tmp_path / "B")
+    assert all(float_bits(resumed[step]["grad_norm"]) == float_bits(reference[step]["grad_norm"]) for step in reference)

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches
-from launch import compare, start, train, wait_for_log_lines
+from launch import EVERY_STEP, compare, start, train, wait_for_log_lines
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
 
-CKPT = ("--checkpoint.enable", "--checkpoint.interval", "100")  # only preemption and last-step saves
+CKPT = ("--checkpoint.enable", "--checkpoint.interval", "100", *EVERY_STEP)  # only preemption and last-step saves
 
 
 def _steps_saved(dump: Path) -> list[int]:
@@ -90,7 +90,7 @@ def test_control_resume_without_rng_differs(uninterrupted: Path, preempted: dict
 
 def test_configured_signal_only(tmp_path: Path) -> None:
     """signals.checkpoint_on decides: SIGUSR2 checkpoints when listed; SIGUSR1, no longer listed, kills."""
-    listed = train(tmp_path / "usr2", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6",
+    listed = train(tmp_path / "usr2", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6", *EVERY_STEP,
                    env={FAULT_ENV: "before_step:3:0:SIGUSR2"})
     assert "stopped by SIGUSR2 at step 3" in listed.stdout
     assert _steps_saved(tmp_path / "usr2") == [3]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_refused
-from launch import start, train, wait_for_log_lines
+from launch import EVERY_STEP, start, train, wait_for_log_lines
 from torchtitan_rng.launch.run_lock import lock_path
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 def test_second_run_on_the_same_dump_folder_refuses(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
-    first = start(dump, "--training.steps", "8")
+    first = start(dump, "--training.steps", "8", *EVERY_STEP)
     try:
         wait_for_log_lines(dump, 1, first)
         first.send_signal(signal.SIGSTOP)  # alive and holding the lock until SIGCONT: no race with its end

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches, assert_refused, float_bits
-from launch import train
+from launch import EVERY_STEP, train
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
@@ -86,7 +86,7 @@ def test_several_resumes_in_a_row(tmp_path: Path) -> None:
     # 48 samples = 6 micro-batches of 8 = 3 steps of 2 micro-batches per epoch.
     common = ("--training.global_batch_size", "16", "--data.num_samples", "48", "--data.num_workers", "2",
               "--activation_checkpoint.mode", "full", "--lr_scheduler.total_steps", str(total),
-              "--checkpoint.interval", "100")
+              "--checkpoint.interval", "100", *EVERY_STEP)
     train(tmp_path / "A", "--training.steps", str(total), *common)
     resumed = tmp_path / "B"
     train(resumed, "--checkpoint.enable", "--training.steps", "3", *common)

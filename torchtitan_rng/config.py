@@ -96,7 +96,9 @@ class Data:
     # Samples per epoch (0 = everything the dataset has); small values make debug runs cross epochs.
     num_samples: int = 0
     prefetch_factor: int = 2
-    snapshot_every_n_steps: int = 1
+    # Worker snapshots (they carry form-2 worker RNGs); 0 = every checkpoint.interval steps, so checkpoints
+    # land on one and a stop between two replays at most interval-1 steps of batches on resume.
+    snapshot_every_n_steps: int = 0
     # Carry the global RNGs that a dataset uses inside worker processes across a resume (form 2).
     capture_worker_rng: bool = True
     # Form 2 and a changed num_workers cannot resume exactly; "error" refuses, "warn" continues inexactly.
@@ -233,7 +235,7 @@ _MINIMUMS: dict[str, float] = {
     "data.num_workers": 0,
     "data.num_samples": 0,
     "data.prefetch_factor": 1,
-    "data.snapshot_every_n_steps": 1,
+    "data.snapshot_every_n_steps": 0,
     "data.shuffle_buffer": 1,
     "optimizer.lr": 0,
     "lr_scheduler.warmup_steps": 0,
@@ -449,6 +451,11 @@ def usage(prog: str) -> str:
 def lr_total_steps(config: JobConfig) -> int:
     """The horizon of the learning-rate schedule (pinned by lr_scheduler.total_steps)."""
     return config.lr_scheduler.total_steps or config.training.steps
+
+
+def snapshot_every_n_steps(config: JobConfig) -> int:
+    """Optimizer steps between two dataloader snapshots: data.snapshot_every_n_steps, 0 = checkpoint.interval."""
+    return config.data.snapshot_every_n_steps or config.checkpoint.interval
 
 
 def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:

@@ -6,7 +6,9 @@ save (or abandons it when the run failed), closes the loss log, shuts the datalo
 down the process group. The checkpointer owns the save policy; the loop only reports each step.
 
 A checkpoint signal (``signals.checkpoint_on``, installed by the entry ``train.py``) only sets a flag; at
-each step boundary the ranks agree on it, save at that step and exit 0 (see launch/preemption.py).
+the next sync point (every ``metrics.log_freq`` steps and at each checkpoint) the ranks agree on it, save at
+that step and exit 0 (see launch/preemption.py). Between sync points a step reads nothing from the device:
+the loss log queues device tensors and writes them at the sync point.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
-from torchtitan_rng.config import ConfigError, JobConfig, as_flags, gradient_accumulation_steps
+from torchtitan_rng.config import (ConfigError, JobConfig, as_flags, gradient_accumulation_steps,
+                                   snapshot_every_n_steps)
 from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
@@ -47,11 +50,12 @@ from torchtitan_rng.rng import preserved_global_rng, seed_model_init
 from torchtitan_rng.train_spec import get_train_spec
 
 
-def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
@@ -121,7 +125,7 @@ class Trainer:
                        "dp_world": world.dp_world, "seed": config.debug.seed, "num_workers": config.data.num_workers,
                        "prefetch_factor": config.data.prefetch_factor,
                        # The loader counts micro-batches: the user's cadence is in optimizer steps.
-                       "snapshot_every_n_steps": config.data.snapshot_every_n_steps * accumulation}
+                       "snapshot_every_n_steps": snapshot_every_n_steps(config) * accumulation}
         self.dataloader: ResumableDataLoader | StreamingDataLoader
         if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
             self.dataloader = StreamingDataLoader(dataset, **loader_args)
@@ -232,12 +236,19 @@ class Trainer:
                 self.faults.at("before_step", step)
             record = self._step(step, data_iter)
             train_state.step = step
+            # The host reads device values only at sync points: every log_freq steps, before each checkpoint
+            # (so a kill loses only steps the resume redoes) and at the last step.
+            sync_point = (step % config.metrics.log_freq == 0 or step == last_step
+                          or self.checkpointer.should_save(step, last_step))
+            written = None
             if loss_log is not None:
                 loss_log.write({**record, **fingerprints})
-            progress.step_done(step, record)
+                written = loss_log.flush() if sync_point else None
+            progress.step_done(step, written or record)  # it prints only at sync points, from what was written
             self.checkpointer.save(step, last_step=last_step)
-            # One all-reduce: a signal on any rank stops every rank at this same step boundary.
-            if all_ranks_agree_any(preemption.received() is not None, world.device):
+            # One all-reduce, at sync points only: a signal on any rank stops every rank at the same step
+            # boundary, at most log_freq - 1 steps (or the steps to the next checkpoint) after it arrived.
+            if sync_point and all_ranks_agree_any(preemption.received() is not None, world.device):
                 self.checkpointer.save(step, force=True)
                 stopped_at = step
                 break
@@ -266,7 +277,7 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         record: dict[str, Any] = {
-            "step": step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
         }
         if self.spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
             with preserved_global_rng(self.world.device):

@@ -17,13 +17,59 @@ resumes exactly only with the same ``data.num_workers`` (the dataloader checks i
 
 from __future__ import annotations
 
+import array
+import random
+import struct
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import Stateful
 
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
-from torchtitan_rng.rng import capture_host_rng, restore_host_rng
+from torchtitan_rng.rng import restore_host_rng
+
+
+# The packed form: a header, then Python's 625 state words, NumPy's 624 keys (uint32 each), then torch's
+# CPU generator state. Header: Python's version, has-gauss flag and gauss_next; NumPy's position, has-gauss
+# flag and cached gaussian.
+_HEADER = struct.Struct("<iBdiBd")
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+_PY_WORDS, _NP_KEYS = 625, 624
+
+
+def capture_worker_rng() -> np.ndarray:
+    """This worker's Python, NumPy and torch CPU streams packed into one uint8 array.
+
+    torchdata pickles a worker's snapshot into the queue message of a batch and diffs it against the
+    previous one: a torch tensor there is moved to shared memory (about a millisecond), and every nested
+    value is one more item to diff and pickle. One array pickles as its bytes; the checkpoint codec stores it
+    as a tensor.
+    """
+    version, internal, gauss_next = random.getstate()
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    header = _HEADER.pack(version, gauss_next is not None, gauss_next or 0.0, pos, has_gauss, cached_gaussian)
+    packed = b"".join((header, array.array(_U32, internal).tobytes(), keys.astype("<u4", copy=False).tobytes(),
+                       torch.get_rng_state().numpy().tobytes()))
+    return np.frombuffer(bytearray(packed), dtype=np.uint8)  # writable: the codec makes a tensor of it
+
+
+def restore_worker_rng(state: Any) -> None:
+    """Put back what :func:`capture_worker_rng` took (an array, or a uint8 tensor from a checkpoint)."""
+    if isinstance(state, dict):  # a checkpoint written before the packed form
+        restore_host_rng(state)
+        return
+    raw = np.asarray(state, dtype=np.uint8).tobytes()
+    version, has_py_gauss, py_gauss, pos, has_gauss, cached_gaussian = _HEADER.unpack_from(raw)
+    start = _HEADER.size
+    internal = array.array(_U32, raw[start : start + 4 * _PY_WORDS])
+    start += 4 * _PY_WORDS
+    keys = np.frombuffer(raw, dtype="<u4", count=_NP_KEYS, offset=start).astype(np.uint32)
+    start += 4 * _NP_KEYS
+    random.setstate((version, tuple(internal), py_gauss if has_py_gauss else None))
+    np.random.set_state(("MT19937", keys, pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(torch.frombuffer(bytearray(raw[start:]), dtype=torch.uint8))
 
 
 class WorkerRNGDataset(Dataset):
@@ -43,7 +89,7 @@ class WorkerRNGDataset(Dataset):
         if isinstance(self.dataset, Stateful):  # keep the wrapped dataset's own state, as torchdata would
             state["dataset"] = self.dataset.state_dict()
         if get_worker_info() is not None:
-            state["worker_rng"] = capture_host_rng()
+            state["worker_rng"] = capture_worker_rng()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -51,7 +97,7 @@ class WorkerRNGDataset(Dataset):
             self.dataset.load_state_dict(state["dataset"])
         # Only inside a worker: in the main process TrainState owns these streams.
         if "worker_rng" in state and get_worker_info() is not None:
-            restore_host_rng(state["worker_rng"])
+            restore_worker_rng(state["worker_rng"])
 
 
 def uses_global_rng(dataset: Dataset) -> bool:
