@@ -1,4 +1,4 @@
-"""Benchmark 6: host synchronisations per training step, and step time with every resume feature on vs off.
+"""Benchmark 9: host synchronisations per training step, and step time with every resume feature on vs off.
 
 A host sync is a read of a tensor's value on the host (``.item()``, ``float()``, ``int()``, ``bool()``,
 ``.tolist()``): on an accelerator it waits for all queued device work. The benchmark wraps those methods in
@@ -82,10 +82,10 @@ def main() -> None:
             times["on"] += on
             times["off"] += off
             round_ratios.append(median(on) / median(off))
-    table(f"Benchmark 6a: host reads of tensor values per training step (llama debug, {args.workers} workers)",
+    table(f"Benchmark 9a: host reads of tensor values per training step (llama debug, {args.workers} workers)",
           ["metrics.log_freq", "reads by the trainer / step", "reads inside torch / step"], sync_rows)
     table(
-        f"Benchmark 6b: step time, resume features on vs off (llama debug, {args.workers} workers, log_freq "
+        f"Benchmark 9b: step time, resume features on vs off (llama debug, {args.workers} workers, log_freq "
         f"{log_freq}, {rounds} alternating rounds x {steps} steps)",
         ["features", "median ms/step", "min..max"],
         [["on", f"{median(times['on']):.2f}", spread(times["on"])],

@@ -1,4 +1,4 @@
-"""Benchmark 7: step time and memory of world-size-invariant training vs ordinary data parallelism (FSDP2)
+"""Benchmark 11: step time and memory of world-size-invariant training vs ordinary data parallelism (FSDP2)
 at 2 and 4 processes (target: the ratio invariant/ordinary <= 1.15).
 
 Both train the same global batch of the same micro-batches: one micro-batch of ``training.local_batch_size``
@@ -66,7 +66,7 @@ def main() -> None:
             rows.append([nproc, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
                          f"{median(times[True]) / median(times[False]):.3f}", "(target <= 1.15)",
                          f"{memory[True] / memory[False]:.2f}"])
-    table(f"Benchmark 7: world-size-invariant vs ordinary data parallelism (llama {args.flavor}, one micro-batch "
+    table(f"Benchmark 11: world-size-invariant vs ordinary data parallelism (llama {args.flavor}, one micro-batch "
           f"of 8 per process per step, {rounds} rounds x {steps} steps, ms/step per progress line of "
           f"{log_freq} steps; memory: rank 0's peak RSS on the CPU, allocated device memory on an accelerator)",
           ["processes", "mode", "fastest ms/step", "median ms/step", "min..max", "memory GiB"], rows)
