@@ -14,7 +14,6 @@ CPU time of the main process and its workers per batch: the cost itself, less di
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,7 @@ from torchtitan_rng.config import snapshot_every_n_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.train_spec import get_train_spec
 
-try:
-    from torchtitan_rng.data.worker_rng import with_worker_rng
-except ImportError:  # the worker RNG capture lives on the data-randomness branch until it is merged
-    with_worker_rng = None
+from torchtitan_rng.data.worker_rng import with_worker_rng
 
 
 class GlobalRandomCrop(Dataset):
@@ -74,10 +70,6 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0])
     args.add_argument("--workers", type=int, default=2)
     args = args.parse_args()
-    if with_worker_rng is None:
-        print("error: this tree has no worker RNG capture (torchtitan_rng.data.worker_rng); run it after the "
-              "data-randomness work is merged", file=sys.stderr)
-        sys.exit(2)
     rounds, batches = (5, 300) if args.quick else (11, 1000)
     config = config_for("--data.num_samples", "0")
     dataset = GlobalRandomCrop(get_train_spec(config).build_dataset(config))

@@ -15,7 +15,7 @@ import torch
 
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
-from torchtitan_rng.checkpoint.layout import CheckpointError, step_dir
+from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.launch import run_lock
