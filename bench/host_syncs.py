@@ -16,16 +16,14 @@ set), alternating, median over rounds, at the same ``metrics.log_freq``.
 from __future__ import annotations
 
 import contextlib
-import io
 import sys
 import tempfile
 from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.common import DEBUG_CONFIG, median, parser, spread, table
-from bench.step_time import FEATURES_OFF, step_times
-from torchtitan_rng.train import main as train_main
+from bench.common import median, parser, spread, table
+from bench.step_time import FEATURES_OFF, run_debug_training, step_times
 
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -53,11 +51,8 @@ def counting_reads() -> Iterator[dict[str, int]]:
 
 
 def reads_in_run(steps: int, log_freq: int, common: list[str], dump: str) -> dict[str, int]:
-    with counting_reads() as counts, contextlib.redirect_stdout(io.StringIO()):
-        code = train_main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", dump,
-                           "--training.steps", str(steps), "--metrics.log_freq", str(log_freq), *common])
-    if code != 0:
-        raise SystemExit(f"the training run exited {code}")
+    with counting_reads() as counts:
+        run_debug_training(common, steps, log_freq, dump)
     return dict(counts)
 
 

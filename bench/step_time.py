@@ -24,15 +24,20 @@ FEATURES_OFF = ["--data.snapshot_every_n_steps", "1000000000", "--data.capture_w
 _MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
 
 
-def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> list[float]:
-    """ms per step of each progress line but the first (which holds start-up: worker launch, first batch)."""
+def run_debug_training(overrides: list[str], steps: int, log_freq: int, dump: str) -> str:
+    """The debug config trained in this process; its output (the run's failure ends the benchmark)."""
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         code = train_main(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", dump,
                            "--training.steps", str(steps), "--metrics.log_freq", str(log_freq), *overrides])
     if code != 0:
         raise SystemExit(f"the training run exited {code}:\n{output.getvalue()}")
-    return [float(ms) for ms in _MS_PER_STEP.findall(output.getvalue())][1:]
+    return output.getvalue()
+
+
+def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> list[float]:
+    """ms per step of each progress line but the first (which holds start-up: worker launch, first batch)."""
+    return [float(ms) for ms in _MS_PER_STEP.findall(run_debug_training(overrides, steps, log_freq, dump))][1:]
 
 
 def main() -> None:
