@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from checks import assert_every_line_matches
+from launch import REPO, run_env
 
 
 def _log(folder: Path, *losses: float) -> Path:
@@ -37,3 +40,10 @@ def test_a_redone_step_is_checked_on_every_line(tmp_path: Path) -> None:
         log.write(json.dumps({"step": 2, "loss": 2.0000001}) + "\n")
     with pytest.raises(AssertionError, match="step 2"):
         assert_every_line_matches(reference, resumed)
+
+
+def test_the_compare_command_does_not_import_torch() -> None:
+    """Reading two logs needs no torch: the command answers in a fraction of torch's import time."""
+    code = "import sys, torchtitan_rng.compare_losses; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=run_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

@@ -17,8 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 LOSS_LOG_NAME = "loss_log.jsonl"
 
 
@@ -44,6 +42,8 @@ class LossLogWriter:
         """Write the queued records (fsynced) and return the last one as written; None when none was queued."""
         if not self.pending:
             return None
+        import torch  # here, not at the top: compare_losses reads logs without paying torch's import
+
         tensors = [value for record in self.pending for value in record.values() if isinstance(value, torch.Tensor)]
         # float64 holds every float32/bf16 value exactly: the same number float(tensor) gives.
         values = iter(torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist()
