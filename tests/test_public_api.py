@@ -75,12 +75,15 @@ def test_in_process_resume_restores_streams_position_and_worker_rng(tmp_path: Pa
     next(batches), next(batches)
     exact.maybe_save(2, last_step=4)
     expected_batch, expected_draw = next(batches), torch.rand(4)
+    # Its worker ends now: left to the garbage collector, an iterator's workers take seconds to give up.
+    exact.close()
     del batches
 
     torch.manual_seed(123)  # another process's streams
     exact, loader = build()
-    assert exact.load() == 2
-    batches = iter(loader)
-    assert exact.restore_rng() is True
-    assert torch.equal(next(batches), expected_batch)
-    assert torch.equal(torch.rand(4), expected_draw)
+    with exact:
+        assert exact.load() == 2
+        batches = iter(loader)
+        assert exact.restore_rng() is True
+        assert torch.equal(next(batches), expected_batch)
+        assert torch.equal(torch.rand(4), expected_draw)

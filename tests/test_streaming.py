@@ -15,7 +15,7 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.resume import reposition_sampler
-from torchtitan_rng.data.dataloader import ResumableDataLoader, dp_rank_key
+from torchtitan_rng.data.dataloader import ResumableDataLoader, dp_rank_key, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader
 from torchtitan_rng.models.llama.dataset import build_text_dataset
 
@@ -145,10 +145,12 @@ def test_trainer_stream_resumes_exactly(data: dict[str, Path], tmp_path: Path, k
 def test_bad_line_met_while_streaming_is_one_line(tmp_path: Path, num_workers: int) -> None:
     path = tmp_path / "late.jsonl"
     path.write_text("".join(f'{{"text": "document {i} {"x" * 40}"}}\n' for i in range(5)) + '{"txt": "oops"}\n')
-    batch_iter = iter(make_loader(path, num_workers))
+    loader = make_loader(path, num_workers)
+    batch_iter = iter(loader)
     with pytest.raises(ConfigError) as err:
         for _ in range(100):
             next(batch_iter)
+    shutdown_workers(loader)  # now: left to the garbage collector, the workers take seconds to give up
     assert str(err.value) == f'config training.dataset_path: {path} line 6: no "text" field holding a string'
 
 
