@@ -39,7 +39,7 @@ from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style, shutdown_workers
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.distributed import all_ranks_agree_any, on_rank_zero, rank_and_world_size
+from torchtitan_rng.distributed import StopVote, on_rank_zero, rank_and_world_size
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import seed_training_streams
 
@@ -247,7 +247,8 @@ class ExactResume:
         # As built (the record holds them as JSON): allow_changes puts these back over the loaded ones.
         self._built_hyperparameters = [{key: value for key, value in group.items() if key != "params"}
                                        for group in (optimizer.param_groups if optimizer is not None else [])]
-        self._stop_on_signal = bool(stop_signals)
+        # A collective (it makes a process group): every rank builds ExactResume with the same stop_signals.
+        self._stop_vote = StopVote() if stop_signals else None
         self.record = run_record.make_record(_record_values(model, optimizer, dataloader, self.world_size, config),
                                              None)
         self.manager.run_record = self.record
@@ -275,6 +276,8 @@ class ExactResume:
         ``failed``, left unfinished as ``step-N.partial``, which is never loaded). Call it on every rank
         before destroying the process group; a second call does nothing."""
         try:
+            if self._stop_vote is not None and not failed:
+                self._stop_vote.close()  # every rank has one vote in flight
             self.manager.close(abandon=failed)
         finally:
             self._at_exit()  # the workers, once
@@ -403,10 +406,12 @@ class ExactResume:
     def should_stop(self, step: int) -> bool:
         """Whether to leave the loop after ``step``: True on every rank when any rank got one of
         ``stop_signals``, and then ``step`` has been saved (a collective: call it on every rank after
-        :meth:`maybe_save`, every step). Without ``stop_signals`` it is always False and costs nothing."""
-        if not self._stop_on_signal:
+        :meth:`maybe_save`, every step). With several processes the vote reads nothing from the device and
+        waits for no rank: the step it stops at is the one after the signal's. Without ``stop_signals`` it is
+        always False and costs nothing."""
+        if self._stop_vote is None:
             return False
-        if not all_ranks_agree_any(preemption.received() is not None, self.train_state.device):
+        if not self._stop_vote.poll(preemption.received() is not None):
             return False
         self.save(step)
         return True
