@@ -79,7 +79,8 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
                      collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
                      drop_last: bool = True, timeout: float = 0,
                      worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
-                     persistent_workers: bool = False) -> ResumableDataLoader:
+                     persistent_workers: bool = False, snapshot_every_n_steps: int | None = None
+                     ) -> ResumableDataLoader:
     """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
     that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
 
@@ -105,6 +106,9 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
             end and a batch may span two epochs, so there is never a partial last batch to drop or keep.
         worker_init_fn: yours runs in each worker after ours (which makes the worker ignore the signals its
             rank checkpoints on).
+        snapshot_every_n_steps: batches between two snapshots of the loader's position (with workers, a
+            snapshot carries each worker's streams). None: :class:`ExactResume` sets its save ``interval``
+            (1 without it). A save between two snapshots is exact too: the resume redoes the batches since.
 
     The loader yields forever: stop after your last step, not at the end of an epoch. An IterableDataset
     is refused with a TypeError: resuming needs the indices of a map-style dataset.
@@ -113,7 +117,7 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
     if sample_keys is None:
         sample_keys = isinstance(dataset, SampleRandomDataset)
     rank, world = rank_and_world_size()
-    return ResumableDataLoader(
+    loader = ResumableDataLoader(
         with_worker_rng(dataset if sample_keys else _PlainIndices(dataset), capture_worker_rng),
         batch_size=batch_size,
         dp_rank=rank if dp_rank is None else dp_rank,
@@ -130,7 +134,11 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context,
         persistent_workers=persistent_workers,
+        snapshot_every_n_steps=snapshot_every_n_steps or 1,
     )
+    # Snapshots cost each worker a capture of its streams: by default, only as often as ExactResume saves.
+    loader.snapshot_follows_saves = snapshot_every_n_steps is None
+    return loader
 
 
 class _OwnLoopOptIn(run_record.OptIn):
@@ -257,6 +265,8 @@ class ExactResume:
         self._step_at_load = 0
         if dataloader is not None:
             dataloader.before_iter = self._refuse_iter_before_load
+            if dataloader.snapshot_follows_saves:  # no iterator yet (before_iter refuses one): it takes this
+                dataloader.snapshot_every_n_steps = interval
         if stop_signals:
             # Before iter(dataloader) forks the workers: they learn which signals to ignore.
             preemption.install(tuple(stop_signals))
