@@ -60,7 +60,7 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0])
     args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
     args = args.parse_args()
-    rounds, steps, log_freq = (5, 40, 10) if args.quick else (9, 200, 20)
+    rounds, steps, log_freq = (5, 80, 10) if args.quick else (9, 200, 20)
     common = ["--data.num_workers", str(args.workers)]
     sync_rows = []
     with tempfile.TemporaryDirectory() as scratch:
