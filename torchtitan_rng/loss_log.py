@@ -7,7 +7,7 @@ appears twice (a run redone after a crash), the later line counts.
 Records may hold 0-d device tensors: the writer keeps them until :meth:`LossLogWriter.flush`, which reads
 them all in one device-to-host copy, so a step costs no host synchronisation. The trainer flushes before
 every checkpoint, so a run killed between two flushes loses only steps after its last checkpoint, which the
-resume recomputes.
+resume recomputes; a run that fails with an error writes its queued steps when the writer is closed.
 """
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ class LossLogWriter:
         return written[-1]
 
     def close(self) -> None:
-        self.file.close()
+        """Write what is still queued, then close: a run that fails between two sync points (a NaN, an
+        error in step N) keeps the losses of its last steps."""
+        try:
+            self.flush()
+        finally:
+            self.file.close()
 
 
 def read_loss_log(path: Path) -> dict[int, dict[str, Any]]:
