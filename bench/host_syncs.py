@@ -8,10 +8,9 @@ counted apart from those of its data pipeline (the sampler and datasets, which r
 device sync) and those inside torch (e.g. the optimizer reading its step counter, a host tensor on an
 accelerator too). On CPU a read costs little; the trainer's count is what an accelerator would pay.
 
-Then step time: the real trainer with the resume features on (the defaults) and off (bench.step_time's
-set), alternating, median over rounds, at the same ``metrics.log_freq``.
+The step time with those features on vs off is benchmark 1 (``bench.step_time``).
 
-    python -m bench.host_syncs [--quick] [--workers N]
+    python -m bench.host_syncs [--workers N]
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.common import median, parser, spread, table
-from bench.step_time import FEATURES_OFF, run_debug_training, step_times
+from bench.common import parser, table
+from bench.step_time import run_debug_training
 
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -67,36 +66,18 @@ def main() -> None:
     args = parser(__doc__.splitlines()[0])
     args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
     args = args.parse_args()
-    rounds, steps, log_freq = (5, 80, 10) if args.quick else (9, 200, 20)
     common = ["--data.num_workers", str(args.workers)]
     sync_rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for freq in (1, log_freq):
+        for freq in (1, 10):
             short = reads_in_run(10, freq, common, f"{scratch}/short{freq}")
             long = reads_in_run(30, freq, common, f"{scratch}/long{freq}")
             sync_rows.append([str(freq), f"**{(long['trainer'] - short['trainer']) / 20:.2f}**",
                               f"{(long['data'] - short['data']) / 20:.2f}",
                               f"{(long['torch'] - short['torch']) / 20:.2f}"])
-        times: dict[str, list[float]] = {"on": [], "off": []}
-        round_ratios = []
-        for index in range(rounds):
-            on = step_times(common, steps, log_freq, f"{scratch}/on{index}")
-            off = step_times([*common, *FEATURES_OFF], steps, log_freq, f"{scratch}/off{index}")
-            times["on"] += on
-            times["off"] += off
-            round_ratios.append(median(on) / median(off))
-    table(f"Benchmark 9a: host reads of tensor values per training step (llama debug, {args.workers} workers)",
+    table(f"Benchmark 9: host reads of tensor values per training step (llama debug, {args.workers} workers)",
           ["metrics.log_freq", "reads by the trainer / step", "reads of host tensors by the data pipeline / step",
            "reads inside torch / step"], sync_rows)
-    table(
-        f"Benchmark 9b: step time, resume features on vs off (llama debug, {args.workers} workers, log_freq "
-        f"{log_freq}, {rounds} alternating rounds x {steps} steps)",
-        ["features", "median ms/step", "min..max"],
-        [["on", f"{median(times['on']):.2f}", spread(times["on"])],
-         ["off", f"{median(times['off']):.2f}", spread(times["off"])],
-         ["ratio on/off", f"**{median(round_ratios):.3f}** (median of rounds; target <= 1.01)",
-          f"per round: {spread(round_ratios)}"]],
-    )
 
 
 if __name__ == "__main__":
