@@ -72,8 +72,7 @@ def read_batches(dataset: Dataset, capture: bool, workers: int, batches: int, ba
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--workers", type=int, default=2)
+    args = parser(__doc__.splitlines()[0], workers=True)
     args = args.parse_args()
     rounds, batches = (7, 400) if args.quick else (15, 1000)
     config = config_for("--data.num_samples", "0")

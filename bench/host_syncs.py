@@ -63,8 +63,7 @@ def reads_in_run(steps: int, log_freq: int, common: list[str], dump: str) -> dic
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
+    args = parser(__doc__.splitlines()[0], workers=True)
     args = args.parse_args()
     common = ["--data.num_workers", str(args.workers)]
     sync_rows = []

@@ -43,8 +43,7 @@ def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> li
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
+    args = parser(__doc__.splitlines()[0], workers=True)
     args = args.parse_args()
     rounds, steps, log_freq = (5, 80, 10) if args.quick else (9, 200, 20)
     common = ["--data.num_workers", str(args.workers)]
