@@ -12,6 +12,7 @@ resume recomputes; a run that fails with an error writes its queued steps when t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -23,7 +24,25 @@ LOSS_LOG_NAME = "loss_log.jsonl"
 
 
 class LossLogError(ValueError):
-    """A loss log that cannot be read; the message names the file and line."""
+    """A loss log that cannot be read or written; the message names the file (and line) and why."""
+
+
+# No space left, a file-size limit, a quota: to the user, all "the disk is full".
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Remove a last line without its newline: a write cut by a kill or a full disk. Its steps come after
+    the last checkpoint (the log is written before every save), so the resume writes them again."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        file.seek(0)
+        data = file.read()
+        file.truncate(data.rfind(b"\n") + 1)
 
 
 def loss_log_path(dump_folder: str | Path) -> Path:
@@ -33,7 +52,10 @@ def loss_log_path(dump_folder: str | Path) -> Path:
 class LossLogWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", encoding="utf-8")
+        _drop_cut_line(path)
+        self.path = path
+        # Unbuffered: a write the disk refused leaves nothing behind in a buffer to fail again at close.
+        self.file = path.open("ab", buffering=0)
         self.pending: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
@@ -50,10 +72,18 @@ class LossLogWriter:
                       if tensors else [])
         written = [{key: next(values) if isinstance(value, torch.Tensor) else value for key, value in record.items()}
                    for record in self.pending]
-        self.file.write("".join(json.dumps(record) + "\n" for record in written))
-        self.file.flush()
-        os.fsync(self.file.fileno())
         self.pending = []
+        data = memoryview("".join(json.dumps(record) + "\n" for record in written).encode())
+        try:
+            while data:
+                data = data[self.file.write(data) :]
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            if err.errno not in _DISK_FULL:
+                raise
+            raise LossLogError(f"{self.path}: the disk is full ({err.strerror}); free space and run the same "
+                               "command again: it resumes from the last checkpoint and writes these steps "
+                               "again") from None
         return written[-1]
 
     def close(self) -> None:

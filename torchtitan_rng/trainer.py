@@ -40,7 +40,7 @@ from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
 from torchtitan_rng.launch import preemption, preflight, run_lock
-from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
+from torchtitan_rng.loss_log import LossLogError, LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
@@ -298,7 +298,7 @@ def run(config: JobConfig) -> int:
             trainer.train()
         finally:
             trainer.close()
-    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
+    except (ConfigError, CheckpointError, LossLogError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     preemption.mark_clean_exit()
