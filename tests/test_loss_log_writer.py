@@ -36,3 +36,11 @@ def test_a_full_disk_is_one_clear_error() -> None:
     with pytest.raises(LossLogError, match=r"^/dev/full: the disk is full .*run the same command again"):
         writer.flush()
     writer.close()  # nothing left to fail at close
+
+
+def test_a_cut_line_after_a_long_log_is_found(tmp_path: Path) -> None:
+    log = tmp_path / "loss_log.jsonl"
+    lines = "".join(f'{{"step": {step}, "loss": 0.5}}\n' for step in range(1, 5001))  # ~130 KB: several blocks
+    log.write_text(lines + '{"step": 5001, "lo' + "x" * 70000)  # a cut line longer than one block
+    LossLogWriter(log).close()
+    assert log.read_text() == lines

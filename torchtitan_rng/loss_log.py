@@ -37,12 +37,18 @@ def _drop_cut_line(path: Path) -> None:
     if not path.is_file() or path.stat().st_size == 0:
         return
     with path.open("rb+") as file:
-        file.seek(-1, os.SEEK_END)
+        end = file.seek(-1, os.SEEK_END)
         if file.read(1) == b"\n":
             return
-        file.seek(0)
-        data = file.read()
-        file.truncate(data.rfind(b"\n") + 1)
+        while end > 0:  # back to the last newline, a block at a time (the log may be long)
+            start = max(0, end - 2**16)
+            file.seek(start)
+            newline = file.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                file.truncate(start + newline + 1)
+                return
+            end = start
+        file.truncate(0)  # a single line, cut
 
 
 def loss_log_path(dump_folder: str | Path) -> Path:
