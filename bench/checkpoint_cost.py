@@ -18,9 +18,8 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
+    args = parser(__doc__.splitlines()[0], workers=True)
     args.add_argument("--flavor", default="small", help="llama flavor (default small, ~3M parameters)")
-    args.add_argument("--workers", type=int, default=2, help="dataloader workers (their state is saved too)")
     args = args.parse_args()
     repeats = 5 if args.quick else 15
     run = build_run(config_for("--model.flavor", args.flavor, "--data.num_workers", str(args.workers)), steps=2)

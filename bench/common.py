@@ -36,9 +36,12 @@ DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
 warnings.filterwarnings("ignore")
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+def parser(description: str, *, workers: bool = False) -> argparse.ArgumentParser:
+    """``--quick``, and with ``workers`` a ``--workers N`` for the dataloader (default 2)."""
     args = argparse.ArgumentParser(description=description)
     args.add_argument("--quick", action="store_true", help="fewer repetitions (about 2 minutes on 2 CPU cores)")
+    if workers:
+        args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
     return args
 
 

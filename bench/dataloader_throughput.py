@@ -4,16 +4,18 @@ The dataset is the debug config's, with a random crop drawn from the global torc
 ``__getitem__`` (form 2 of data randomness: the case worker RNG capture exists for). With capture on, each
 batch that carries a worker snapshot also carries that worker's Python, NumPy and torch streams
 (``data.capture_worker_rng``); off, it does not. Three cadences: the worst case, a snapshot with every batch
-(``data.snapshot_every_n_steps = 1``), the trainer's default (a snapshot every ``checkpoint.interval`` steps,
-5 in the debug config) and an interval of 100. Rounds alternate on/off; each round reads the same number
-of batches through fresh workers. Besides throughput (which moves with other load on the machine), the
-CPU time of the main process and its workers per batch: the cost itself, less disturbed by that load.
+(``data.snapshot_every_n_steps = 1``), the default of the trainer and of ``ExactResume`` (a snapshot every
+save interval: ``checkpoint.interval`` steps, 5 in the debug config) and an interval of 100. Rounds
+alternate on/off; each round reads the same number of batches through fresh workers. Besides throughput
+(which moves with other load on the machine), the CPU time of every thread of the main process and its
+workers per batch: the cost itself, less disturbed by that load.
 
     python -m bench.dataloader_throughput [--quick] [--workers 2]
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,10 @@ class GlobalRandomCrop(Dataset):
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    """CPU time used so far by these processes (their main threads), from /proc with nanosecond resolution."""
-    return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
+    """CPU time used so far by every thread of these processes (a worker pickles its batches in a queue
+    feeder thread), from /proc with nanosecond resolution."""
+    return sum(int(stat.read_text().split()[0]) for pid in pids
+               for stat in Path(f"/proc/{pid}/task").glob("*/schedstat")) / 1e9
 
 
 def read_batches(dataset: Dataset, capture: bool, workers: int, batches: int, batch_size: int,
@@ -57,20 +61,20 @@ def read_batches(dataset: Dataset, capture: bool, workers: int, batches: int, ba
     iterator = iter(loader)
     next(iterator)  # the workers are up
     pids = [worker.pid for worker in loader._iterator._workers]
-    start, cpu_start = time.perf_counter(), time.process_time() + _cpu_seconds(pids)
+    pids.append(os.getpid())
+    start, cpu_start = time.perf_counter(), _cpu_seconds(pids)
     for _ in range(batches):
         next(iterator)
     elapsed = time.perf_counter() - start
-    cpu = time.process_time() + _cpu_seconds(pids) - cpu_start
+    cpu = _cpu_seconds(pids) - cpu_start
     del iterator
     return batches / elapsed, cpu / batches * 1000
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--workers", type=int, default=2)
+    args = parser(__doc__.splitlines()[0], workers=True)
     args = args.parse_args()
-    rounds, batches = (5, 300) if args.quick else (11, 1000)
+    rounds, batches = (7, 400) if args.quick else (15, 1000)
     config = config_for("--data.num_samples", "0")
     dataset = GlobalRandomCrop(get_train_spec(config).build_dataset(config))
     interval = snapshot_every_n_steps(config)

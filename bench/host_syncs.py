@@ -4,13 +4,13 @@ A host sync is a read of a tensor's value on the host (``.item()``, ``float()``,
 ``.tolist()``): on an accelerator it waits for all queued device work. The benchmark wraps those methods in
 the training process and counts the calls during a run of S steps and of 3S steps; the difference over 2S
 steps is the count per step, start-up excluded. Reads made by the trainer's own code (torchtitan_rng) are
-counted apart from those inside torch (e.g. the optimizer reading its step counter, a host tensor on an
-accelerator too). On CPU a read costs little; the count is what an accelerator would pay.
+counted apart from those of its data pipeline (the sampler and datasets, which read host tensors: never a
+device sync) and those inside torch (e.g. the optimizer reading its step counter, a host tensor on an
+accelerator too). On CPU a read costs little; the trainer's count is what an accelerator would pay.
 
-Then step time: the real trainer with the resume features on (the defaults) and off (bench.step_time's
-set), alternating, median over rounds, at the same ``metrics.log_freq``.
+The step time with those features on vs off is benchmark 1 (``bench.step_time``).
 
-    python -m bench.host_syncs [--quick] [--workers N]
+    python -m bench.host_syncs [--workers N]
 """
 
 from __future__ import annotations
@@ -22,22 +22,28 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.common import median, parser, spread, table
-from bench.step_time import FEATURES_OFF, run_debug_training, step_times
+from bench.common import parser, table
+from bench.step_time import run_debug_training
 
 _READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 
+def _reader(module: str) -> str:
+    if not module.startswith("torchtitan_rng"):
+        return "torch"
+    return "data" if module.startswith("torchtitan_rng.data") or module.endswith(".dataset") else "trainer"
+
+
 @contextlib.contextmanager
 def counting_reads() -> Iterator[dict[str, int]]:
-    """Counts host reads of tensor values while open: ``{"trainer": n, "torch": m}`` by the calling module."""
-    counts = {"trainer": 0, "torch": 0}
+    """Counts host reads of tensor values while open, by the calling module:
+    ``{"trainer": n, "data": m, "torch": k}``."""
+    counts = {"trainer": 0, "data": 0, "torch": 0}
     originals = {name: getattr(torch.Tensor, name) for name in _READS}
 
     def counted(original: Callable[..., Any]) -> Callable[..., Any]:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            counts["trainer" if caller.startswith("torchtitan_rng") else "torch"] += 1
+            counts[_reader(sys._getframe(1).f_globals.get("__name__", ""))] += 1
             return original(self, *args, **kwargs)
         return read
 
@@ -57,37 +63,20 @@ def reads_in_run(steps: int, log_freq: int, common: list[str], dump: str) -> dic
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--workers", type=int, default=2, help="dataloader workers (default 2)")
+    args = parser(__doc__.splitlines()[0], workers=True)
     args = args.parse_args()
-    rounds, steps, log_freq = (5, 40, 10) if args.quick else (9, 200, 20)
     common = ["--data.num_workers", str(args.workers)]
     sync_rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for freq in (1, log_freq):
+        for freq in (1, 10):
             short = reads_in_run(10, freq, common, f"{scratch}/short{freq}")
             long = reads_in_run(30, freq, common, f"{scratch}/long{freq}")
             sync_rows.append([str(freq), f"**{(long['trainer'] - short['trainer']) / 20:.2f}**",
+                              f"{(long['data'] - short['data']) / 20:.2f}",
                               f"{(long['torch'] - short['torch']) / 20:.2f}"])
-        times: dict[str, list[float]] = {"on": [], "off": []}
-        round_ratios = []
-        for index in range(rounds):
-            on = step_times(common, steps, log_freq, f"{scratch}/on{index}")
-            off = step_times([*common, *FEATURES_OFF], steps, log_freq, f"{scratch}/off{index}")
-            times["on"] += on
-            times["off"] += off
-            round_ratios.append(median(on) / median(off))
-    table(f"Benchmark 9a: host reads of tensor values per training step (llama debug, {args.workers} workers)",
-          ["metrics.log_freq", "reads by the trainer / step", "reads inside torch / step"], sync_rows)
-    table(
-        f"Benchmark 9b: step time, resume features on vs off (llama debug, {args.workers} workers, log_freq "
-        f"{log_freq}, {rounds} alternating rounds x {steps} steps)",
-        ["features", "median ms/step", "min..max"],
-        [["on", f"{median(times['on']):.2f}", spread(times["on"])],
-         ["off", f"{median(times['off']):.2f}", spread(times["off"])],
-         ["ratio on/off", f"**{median(round_ratios):.3f}** (median of rounds; target <= 1.01)",
-          f"per round: {spread(round_ratios)}"]],
-    )
+    table(f"Benchmark 9: host reads of tensor values per training step (llama debug, {args.workers} workers)",
+          ["metrics.log_freq", "reads by the trainer / step", "reads of host tensors by the data pipeline / step",
+           "reads inside torch / step"], sync_rows)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,14 @@ def test_an_iterable_dataset_is_one_clear_error() -> None:
         message = str(refused.value)
         assert "\n" not in message and "Stream" in message and "IterableDataset" in message, message
         assert "needs a map-style dataset" in message, message
+
+
+def test_snapshots_follow_the_save_interval_unless_chosen(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A snapshot costs each worker a capture of its streams: by default only as often as ExactResume saves."""
+    data = TensorDataset(torch.arange(10))
+    default = torchtitan_rng.build_dataloader(data, batch_size=5, seed=0)
+    chosen = torchtitan_rng.build_dataloader(data, batch_size=5, seed=0, snapshot_every_n_steps=3)
+    assert default.snapshot_every_n_steps == 1  # alone, the loader snapshots every batch
+    for name, loader in (("default", default), ("chosen", chosen)):
+        torchtitan_rng.ExactResume(tmp_path / name, model=torch.nn.Linear(1, 1), dataloader=loader, interval=7)
+    assert (default.snapshot_every_n_steps, chosen.snapshot_every_n_steps) == (7, 3)

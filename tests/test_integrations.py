@@ -61,7 +61,8 @@ def test_hf_stock_trainer_differs(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_hf_two_processes_sigterm_resumes_bitwise(tmp_path: Path) -> None:
-    # Rank 0 alone gets SIGTERM during step 3: both ranks save at step 3 and stop; 6 steps an epoch.
+    # Rank 0 alone gets SIGTERM during step 3: both ranks save at step 4 (the vote is read a step later) and
+    # stop; 6 steps an epoch.
     a, b = _hf(tmp_path, "--workers", "2", "--max-steps", "8", stop=("--signal-at", "3"), resume=("--resume",),
                nproc=2)
     assert len(b[0].splitlines()) == 8 and a[0] != a[1] and b == a
@@ -77,7 +78,8 @@ def _lightning(tmp_path: Path, stop: tuple[str, ...], checkpoint: str, stock: bo
 
 @pytest.mark.e2e
 def test_lightning_ddp_signal_resumes_bitwise(tmp_path: Path) -> None:
-    a, b = _lightning(tmp_path, ("--signal-at", "3"), "preempted-step=3.ckpt")
+    # The signal during step 3; the ranks' vote on it is read a step later.
+    a, b = _lightning(tmp_path, ("--signal-at", "3"), "preempted-step=4.ckpt")
     assert len(b[1].splitlines()) == 8 and b == a
 
 

@@ -19,6 +19,7 @@ from torchtitan_rng.checkpoint.layout import complete_steps
 pytestmark = pytest.mark.e2e
 
 STEPS, SIGNAL_AT = 6, 3
+STOP = SIGNAL_AT + 1  # the ranks' vote on the signal is read one step later
 
 
 def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -38,21 +39,21 @@ def test_sigterm_to_the_group_checkpoints_and_resumes_exactly(tmp_path: Path) ->
 
     _torchrun(run, str(STEPS), "--signal-at", str(SIGNAL_AT))  # torchrun itself reports the signal it got
     exits = sorted((run / "exits").read_text().splitlines())
-    assert exits == [f"rank {rank} left the loop after step {SIGNAL_AT}" for rank in (0, 1)], exits
-    assert complete_steps(run / "checkpoint") == [SIGNAL_AT]
+    assert exits == [f"rank {rank} left the loop after step {STOP}" for rank in (0, 1)], exits
+    assert complete_steps(run / "checkpoint") == [STOP]
 
     control = tmp_path / "control"
     control.mkdir()
     (control / "loss_log.jsonl").write_text((run / "loss_log.jsonl").read_text())
     (control / "checkpoint").mkdir()
-    (run / "checkpoint" / f"step-{SIGNAL_AT}").rename(control / "checkpoint" / f"step-{SIGNAL_AT}")
+    (run / "checkpoint" / f"step-{STOP}").rename(control / "checkpoint" / f"step-{STOP}")
     resumed = _torchrun(control, str(STEPS), "--no-restore")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (control / "checkpoint" / f"step-{SIGNAL_AT}").rename(run / "checkpoint" / f"step-{SIGNAL_AT}")
+    (control / "checkpoint" / f"step-{STOP}").rename(run / "checkpoint" / f"step-{STOP}")
 
     resumed = _torchrun(run, str(STEPS))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_every_line_matches(reference, run)
     # Control: the same resume without restore_rng() (other dropout masks) is caught at its first step.
-    with pytest.raises(AssertionError, match=f"step {SIGNAL_AT + 1}:"):
+    with pytest.raises(AssertionError, match=f"step {STOP + 1}:"):
         assert_every_line_matches(reference, control)

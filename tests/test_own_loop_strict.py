@@ -75,3 +75,21 @@ def test_errors_name_parameters_not_trainer_flags(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as refused:
         _loop(tmp_path / "checkpoint").load(load_step=7)
     assert "load_step=7 not found" in str(refused.value) and "--checkpoint" not in str(refused.value)
+
+
+def test_a_save_over_a_checkpoint_of_an_earlier_history_is_refused(tmp_path: Path) -> None:
+    """Resumed from step 1 of a folder that holds step 2: saving step 2 again would replace a checkpoint
+    this run did not write, so it is a one-line CheckpointError and step 2 stays as it was."""
+    exact = _loop(tmp_path / "checkpoint")
+    _train(exact)  # saves step 2
+    exact.save(1)  # an older checkpoint in the same folder
+    saved = {path.name: path.read_bytes() for path in (tmp_path / "checkpoint" / "step-2").iterdir()}
+    again = _loop(tmp_path / "checkpoint")
+    assert again.load(load_step=1) == 1
+    with pytest.raises(CheckpointError, match=r"would save over the existing checkpoints 2 in .*initial_load_path="):
+        again.maybe_save(2, last_step=STEPS)
+    assert {path.name: path.read_bytes() for path in (tmp_path / "checkpoint" / "step-2").iterdir()} == saved
+    # Control: from the same checkpoint into a fresh folder, the same save goes through.
+    fresh = _loop(tmp_path / "fresh")
+    assert fresh.load(initial_load_path=tmp_path / "checkpoint", load_step=1) == 1
+    assert fresh.maybe_save(2, last_step=STEPS) == tmp_path / "fresh" / "step-2"

@@ -34,11 +34,12 @@ def uninterrupted(llama_uninterrupted_two_processes: Path) -> Path:
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One 2-process job preempted twice, then run to the end:
-    1. rank 1 alone gets SIGUSR1 before step 4, rank 0 a second signal (SIGTERM) while saving step 4;
+    1. rank 1 alone gets SIGUSR1 before step 4 (the ranks' vote, read a step later, stops both after step
+       5), rank 0 a second signal (SIGTERM) while saving step 5;
     2. SIGTERM to the torchrun parent once the log shows a random step;
     3. the resubmission runs to step 20."""
     dump = tmp_path_factory.mktemp("B")
-    first = train(dump, *CKPT, nproc=2, env={FAULT_ENV: "before_step:4:1:SIGUSR1;save_writing:4:0:SIGTERM"})
+    first = train(dump, *CKPT, nproc=2, env={FAULT_ENV: "before_step:4:1:SIGUSR1;save_writing:5:0:SIGTERM"})
     after_first = {"steps": _steps_saved(dump), "log": sorted(read_loss_log(dump)), "out": first.stdout}
 
     signal_at = random.randint(7, 12)
@@ -55,10 +56,10 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_signal_to_one_rank_stops_all_ranks_at_one_step(preempted: dict) -> None:
     state = preempted["after_first"]
-    assert state["steps"] == [4], state  # the second signal during the save did not spoil it
-    assert state["log"] == [1, 2, 3, 4]
-    assert "stopped by a signal to another rank at step 4" not in state["out"]  # rank 0 got one too
-    assert "stopped by SIGTERM at step 4" in state["out"], state["out"]
+    assert state["steps"] == [5], state  # the second signal during the save did not spoil it
+    assert state["log"] == [1, 2, 3, 4, 5]
+    assert "stopped by a signal to another rank at step 5" not in state["out"]  # rank 0 got one too
+    assert "stopped by SIGTERM at step 5" in state["out"], state["out"]
 
 
 def test_sigterm_to_torchrun_parent_exits_0_with_checkpoint(preempted: dict) -> None:
@@ -68,7 +69,7 @@ def test_sigterm_to_torchrun_parent_exits_0_with_checkpoint(preempted: dict) -> 
     assert "all 2 local ranks checkpointed and exited 0" in second.stdout
     stop = state["steps"][-1]
     assert state["signal_at"] <= stop < 20, state
-    assert state["steps"] == [4, stop] and state["log"] == list(range(1, stop + 1))
+    assert state["steps"] == [5, stop] and state["log"] == list(range(1, stop + 1))
 
 
 def test_resumed_log_equals_uninterrupted(uninterrupted: Path, preempted: dict) -> None:

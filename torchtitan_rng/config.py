@@ -157,7 +157,8 @@ class Checkpoint:
 
 @dataclass
 class Metrics:
-    log_freq: int = 1
+    # torchtitan's default: the host reads the steps' values (a device sync) once per 10 steps.
+    log_freq: int = 10
 
 
 @dataclass

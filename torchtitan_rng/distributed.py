@@ -86,6 +86,42 @@ def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+class StopVote:
+    """Agree on a stop request at a step boundary without waiting on the device.
+
+    Each :meth:`poll` starts an all-reduce of this rank's flag on a CPU (gloo) group and returns the result of
+    the one started at the previous poll, finished by then unless a rank is more than a step behind (which
+    data-parallel training, synchronised by its gradients, never is): all ranks read the same vote at the
+    same boundary, so all stop at the same step, one step after the first of them got the signal. Alone, it
+    returns the flag itself. The vote lives on a CPU tensor, so reading it never waits for queued device
+    work (an all-reduce of a device tensor, read on the host, would at every step).
+    """
+
+    def __init__(self) -> None:
+        self.pending: tuple[Any, torch.Tensor] | None = None
+        # Its own group: a vote waiting for a slower rank holds none of the training group's gloo threads.
+        self.group = dist.new_group(backend="gloo") if rank_and_world_size()[1] > 1 else None
+
+    def poll(self, flag: bool) -> bool:
+        """Cast this rank's flag; True on every rank when any rank's flag was set at the previous poll (a
+        collective: every rank polls at the same boundaries)."""
+        if self.group is None:
+            return flag
+        agreed = self.close()
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.pending = (dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), value)
+        return agreed
+
+    def close(self) -> bool:
+        """Wait for the vote in flight (before the process group goes) and return it; False when none is."""
+        if self.pending is None:
+            return False
+        work, value = self.pending
+        self.pending = None
+        work.wait()
+        return bool(value.item())
+
+
 def on_rank_zero(check: Callable[[], object], elsewhere: Exception, device: torch.device,
                  refusals: tuple[type[Exception], ...]) -> None:
     """Run ``check`` on rank 0 only (e.g. reading every byte of a checkpoint once); when it raises one of

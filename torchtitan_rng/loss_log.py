@@ -7,11 +7,12 @@ appears twice (a run redone after a crash), the later line counts.
 Records may hold 0-d device tensors: the writer keeps them until :meth:`LossLogWriter.flush`, which reads
 them all in one device-to-host copy, so a step costs no host synchronisation. The trainer flushes before
 every checkpoint, so a run killed between two flushes loses only steps after its last checkpoint, which the
-resume recomputes.
+resume recomputes; a run that fails with an error writes its queued steps when the writer is closed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,31 @@ LOSS_LOG_NAME = "loss_log.jsonl"
 
 
 class LossLogError(ValueError):
-    """A loss log that cannot be read; the message names the file and line."""
+    """A loss log that cannot be read or written; the message names the file (and line) and why."""
+
+
+# No space left, a file-size limit, a quota: to the user, all "the disk is full".
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Remove a last line without its newline: a write cut by a kill or a full disk. Its steps come after
+    the last checkpoint (the log is written before every save), so the resume writes them again."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as file:
+        end = file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        while end > 0:  # back to the last newline, a block at a time (the log may be long)
+            start = max(0, end - 2**16)
+            file.seek(start)
+            newline = file.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                file.truncate(start + newline + 1)
+                return
+            end = start
+        file.truncate(0)  # a single line, cut
 
 
 def loss_log_path(dump_folder: str | Path) -> Path:
@@ -31,7 +56,10 @@ def loss_log_path(dump_folder: str | Path) -> Path:
 class LossLogWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", encoding="utf-8")
+        _drop_cut_line(path)
+        self.path = path
+        # Unbuffered: a write the disk refused leaves nothing behind in a buffer to fail again at close.
+        self.file = path.open("ab", buffering=0)
         self.pending: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
@@ -50,14 +78,27 @@ class LossLogWriter:
                       if tensors else [])
         written = [{key: next(values) if isinstance(value, torch.Tensor) else value for key, value in record.items()}
                    for record in self.pending]
-        self.file.write("".join(json.dumps(record) + "\n" for record in written))
-        self.file.flush()
-        os.fsync(self.file.fileno())
         self.pending = []
+        data = memoryview("".join(json.dumps(record) + "\n" for record in written).encode())
+        try:
+            while data:
+                data = data[self.file.write(data) :]
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            if err.errno not in _DISK_FULL:
+                raise
+            raise LossLogError(f"{self.path}: the disk is full ({err.strerror}); free space and run the same "
+                               "command again: it resumes from the last checkpoint and writes these steps "
+                               "again") from None
         return written[-1]
 
     def close(self) -> None:
-        self.file.close()
+        """Write what is still queued, then close: a run that fails between two sync points (a NaN, an
+        error in step N) keeps the losses of its last steps."""
+        try:
+            self.flush()
+        finally:
+            self.file.close()
 
 
 def read_loss_log(path: Path) -> dict[int, dict[str, Any]]:

@@ -39,7 +39,7 @@ from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style, shutdown_workers
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.distributed import all_ranks_agree_any, on_rank_zero, rank_and_world_size
+from torchtitan_rng.distributed import StopVote, on_rank_zero, rank_and_world_size
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import seed_training_streams
 
@@ -79,7 +79,8 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
                      collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
                      drop_last: bool = True, timeout: float = 0,
                      worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
-                     persistent_workers: bool = False) -> ResumableDataLoader:
+                     persistent_workers: bool = False, snapshot_every_n_steps: int | None = None
+                     ) -> ResumableDataLoader:
     """A StatefulDataLoader that resumes exactly: its own seeded generator, a per-rank stateful sampler
     that runs over epochs forever (no ``set_epoch``), and its state under a per-rank checkpoint key.
 
@@ -105,6 +106,9 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
             end and a batch may span two epochs, so there is never a partial last batch to drop or keep.
         worker_init_fn: yours runs in each worker after ours (which makes the worker ignore the signals its
             rank checkpoints on).
+        snapshot_every_n_steps: batches between two snapshots of the loader's position (with workers, a
+            snapshot carries each worker's streams). None: :class:`ExactResume` sets its save ``interval``
+            (1 without it). A save between two snapshots is exact too: the resume redoes the batches since.
 
     The loader yields forever: stop after your last step, not at the end of an epoch. An IterableDataset
     is refused with a TypeError: resuming needs the indices of a map-style dataset.
@@ -113,7 +117,7 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
     if sample_keys is None:
         sample_keys = isinstance(dataset, SampleRandomDataset)
     rank, world = rank_and_world_size()
-    return ResumableDataLoader(
+    loader = ResumableDataLoader(
         with_worker_rng(dataset if sample_keys else _PlainIndices(dataset), capture_worker_rng),
         batch_size=batch_size,
         dp_rank=rank if dp_rank is None else dp_rank,
@@ -130,7 +134,11 @@ def build_dataloader(dataset: Dataset, *, batch_size: int, seed: int, num_worker
         worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context,
         persistent_workers=persistent_workers,
+        snapshot_every_n_steps=snapshot_every_n_steps or 1,
     )
+    # Snapshots cost each worker a capture of its streams: by default, only as often as ExactResume saves.
+    loader.snapshot_follows_saves = snapshot_every_n_steps is None
+    return loader
 
 
 class _OwnLoopOptIn(run_record.OptIn):
@@ -247,7 +255,8 @@ class ExactResume:
         # As built (the record holds them as JSON): allow_changes puts these back over the loaded ones.
         self._built_hyperparameters = [{key: value for key, value in group.items() if key != "params"}
                                        for group in (optimizer.param_groups if optimizer is not None else [])]
-        self._stop_on_signal = bool(stop_signals)
+        # A collective (it makes a process group): every rank builds ExactResume with the same stop_signals.
+        self._stop_vote = StopVote() if stop_signals else None
         self.record = run_record.make_record(_record_values(model, optimizer, dataloader, self.world_size, config),
                                              None)
         self.manager.run_record = self.record
@@ -256,6 +265,8 @@ class ExactResume:
         self._step_at_load = 0
         if dataloader is not None:
             dataloader.before_iter = self._refuse_iter_before_load
+            if dataloader.snapshot_follows_saves:  # no iterator yet (before_iter refuses one): it takes this
+                dataloader.snapshot_every_n_steps = interval
         if stop_signals:
             # Before iter(dataloader) forks the workers: they learn which signals to ignore.
             preemption.install(tuple(stop_signals))
@@ -275,6 +286,8 @@ class ExactResume:
         ``failed``, left unfinished as ``step-N.partial``, which is never loaded). Call it on every rank
         before destroying the process group; a second call does nothing."""
         try:
+            if self._stop_vote is not None and not failed:
+                self._stop_vote.close()  # every rank has one vote in flight
             self.manager.close(abandon=failed)
         finally:
             self._at_exit()  # the workers, once
@@ -403,10 +416,12 @@ class ExactResume:
     def should_stop(self, step: int) -> bool:
         """Whether to leave the loop after ``step``: True on every rank when any rank got one of
         ``stop_signals``, and then ``step`` has been saved (a collective: call it on every rank after
-        :meth:`maybe_save`, every step). Without ``stop_signals`` it is always False and costs nothing."""
-        if not self._stop_on_signal:
+        :meth:`maybe_save`, every step). With several processes the vote reads nothing from the device and
+        waits for no rank: the step it stops at is the one after the signal's. Without ``stop_signals`` it is
+        always False and costs nothing."""
+        if self._stop_vote is None:
             return False
-        if not all_ranks_agree_any(preemption.received() is not None, self.train_state.device):
+        if not self._stop_vote.poll(preemption.received() is not None):
             return False
         self.save(step)
         return True

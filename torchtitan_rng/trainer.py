@@ -5,10 +5,10 @@ was opened, in every case (``try: trainer.train() finally: trainer.close()``): i
 save (or abandons it when the run failed), closes the loss log, shuts the dataloader's workers and tears
 down the process group. The checkpointer owns the save policy; the loop only reports each step.
 
-A checkpoint signal (``signals.checkpoint_on``, installed by the entry ``train.py``) only sets a flag; at
-the next sync point (every ``metrics.log_freq`` steps and at each checkpoint) the ranks agree on it, save at
-that step and exit 0 (see launch/preemption.py). Between sync points a step reads nothing from the device:
-the loss log queues device tensors and writes them at the sync point.
+A checkpoint signal (``signals.checkpoint_on``, installed by the entry ``train.py``) only sets a flag; the
+ranks agree on it with a vote that never waits (``distributed.StopVote``), save at the same step and exit 0
+(see launch/preemption.py). Between sync points (every ``metrics.log_freq`` steps, each checkpoint and a
+stop) a step reads nothing from the device: the loss log queues device tensors and writes them there.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_proble
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
-from torchtitan_rng.distributed import (World, all_ranks_agree_any, init_distributed, mean_over_ranks, on_rank_zero,
+from torchtitan_rng.distributed import (StopVote, World, init_distributed, mean_over_ranks, on_rank_zero,
                                         teardown)
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
 from torchtitan_rng.launch import preemption, preflight, run_lock
-from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
+from torchtitan_rng.loss_log import LossLogError, LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
@@ -88,6 +88,7 @@ class Trainer:
         config = self.config
         self.world = world = init_distributed(config)
         self._closing.callback(lambda: teardown(clean=not self._failed))
+        self.stop_vote = StopVote()
         invariant = config.parallelism.world_size_invariant
         if invariant:
             invariant_setup.use_fixed_kernels()
@@ -236,22 +237,22 @@ class Trainer:
                 self.faults.at("before_step", step)
             record = self._step(step, data_iter)
             train_state.step = step
+            # Every step, with no blocking read: a signal on any rank stops every rank at the same boundary.
+            stop = self.stop_vote.poll(preemption.received() is not None)
             # The host reads device values only at sync points: every log_freq steps, before each checkpoint
             # (so a kill loses only steps the resume redoes) and at the last step.
-            sync_point = (step % config.metrics.log_freq == 0 or step == last_step
+            sync_point = (stop or step % config.metrics.log_freq == 0 or step == last_step
                           or self.checkpointer.should_save(step, last_step))
             written = None
             if loss_log is not None:
                 loss_log.write({**record, **fingerprints})
                 written = loss_log.flush() if sync_point else None
             progress.step_done(step, written or record)  # it prints only at sync points, from what was written
-            self.checkpointer.save(step, last_step=last_step)
-            # One all-reduce, at sync points only: a signal on any rank stops every rank at the same step
-            # boundary, at most log_freq - 1 steps (or the steps to the next checkpoint) after it arrived.
-            if sync_point and all_ranks_agree_any(preemption.received() is not None, world.device):
-                self.checkpointer.save(step, force=True)
+            self.checkpointer.save(step, last_step=last_step, force=stop)
+            if stop:
                 stopped_at = step
                 break
+        self.stop_vote.close()
 
         self.checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
         self._failed = False
@@ -297,7 +298,7 @@ def run(config: JobConfig) -> int:
             trainer.train()
         finally:
             trainer.close()
-    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
+    except (ConfigError, CheckpointError, LossLogError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
         print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
         return 2
     preemption.mark_clean_exit()

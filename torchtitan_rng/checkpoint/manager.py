@@ -132,6 +132,8 @@ class CheckpointManager:
 
     def _save(self, step: int, in_background: bool) -> Path:
         self.wait()
+        # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not write.
+        layout.refuse_overwrite(self.folder, [step])
         try:
             return self._write(step, in_background)
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException

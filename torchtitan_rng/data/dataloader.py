@@ -125,6 +125,8 @@ class ResumableDataLoader(StatefulDataLoader):
         self.batches_since_load = 0
         # Called at every iter(): ExactResume refuses an iterator made before its checkpoint is loaded.
         self.before_iter: Callable[[], None] | None = None
+        # True: ExactResume sets snapshot_every_n_steps to its save interval (build_dataloader's default).
+        self.snapshot_follows_saves = False
 
     def __iter__(self) -> Iterator[Any]:
         if self.before_iter is not None:

@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch.utils.data import IterableDataset
 
-from torchtitan_rng.distributed import all_ranks_agree_any
+from torchtitan_rng.distributed import StopVote
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
 from torchtitan_rng.launch import preemption
@@ -34,13 +34,27 @@ STATE_FILE = "exact_resume_rank{rank}.pt"
 
 
 class _SaveAndStopOnSignal(transformers.TrainerCallback):
-    """After each optimizer step: if any process got a checkpoint signal, all save now and stop."""
+    """After each optimizer step: if any process got a checkpoint signal, all save and stop at the same step
+    (the one after the signal's with several processes: the vote never waits)."""
+
+    def __init__(self) -> None:
+        self.vote: StopVote | None = None
+
+    def on_train_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                       control: transformers.TrainerControl, **kwargs: Any) -> None:
+        self.vote = StopVote()  # every process starts training here, with its process group up
 
     def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                     control: transformers.TrainerControl, **kwargs: Any) -> None:
-        if all_ranks_agree_any(preemption.received() is not None, args.device):
+        if self.vote is not None and self.vote.poll(preemption.received() is not None):
             control.should_save = True
             control.should_training_stop = True
+
+    def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.vote is not None:
+            self.vote.close()  # every process has one vote in flight
+        self.vote = None
 
 
 class ExactResumeTrainer(transformers.Trainer):

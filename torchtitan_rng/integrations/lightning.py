@@ -21,7 +21,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch.distributed as dist
 
-from torchtitan_rng.distributed import all_ranks_agree_any, rank_and_world_size
+from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
 from torchtitan_rng.launch import preemption
@@ -48,6 +48,7 @@ class ExactResumeCallback(L.Callback):
     def __init__(self, dirpath: str | Path | None = None) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self._loaders: list[EpochLoader] = []
+        self._vote: StopVote | None = None
         preemption.install()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -79,7 +80,8 @@ class ExactResumeCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         signalled = preemption.received() is not None or trainer.received_sigterm
-        if trainer.fit_loop._should_accumulate() or not all_ranks_agree_any(signalled, pl_module.device):
+        # At optimizer steps only, the same ones on every rank; the vote is read one step later, never waited for.
+        if trainer.fit_loop._should_accumulate() or self._vote is None or not self._vote.poll(signalled):
             return
         folder = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
         trainer.save_checkpoint(folder / f"preempted-step={trainer.global_step}.ckpt")
@@ -87,8 +89,15 @@ class ExactResumeCallback(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._loaders = _epoch_loaders(trainer)  # kept for teardown, when Lightning has let go of them
+        self._vote = StopVote()  # every rank starts training here, with its process group up
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._vote is not None:
+            self._vote.close()  # every rank has one vote in flight
+        self._vote = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._vote = None  # another rank may never cast the vote in flight: not waited for
         self._loaders += _epoch_loaders(trainer)
         self.teardown(trainer, pl_module, "fit")
 

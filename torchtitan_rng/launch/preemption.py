@@ -3,8 +3,9 @@
 A cluster ends a job with a signal (SLURM: SIGTERM at the time limit, or ``--signal=USR1@90`` ahead of
 it). Each rank handles the signals of ``signals.checkpoint_on``: the handler records the signal and
 returns, so a signal can never interrupt a checkpoint half-way (a second one during the save is only
-recorded again). At every step boundary the ranks agree with one all-reduce whether any of them got one
-(``distributed.all_ranks_agree_any``); then all save at that same step and exit 0.
+recorded again). At every step boundary the ranks vote on whether any of them got one
+(``distributed.StopVote``: a CPU all-reduce read one step later, so nobody waits); then all save at that
+same step and exit 0.
 
 This module imports nothing heavy: ``train.py`` installs the handlers before torch is imported, so that a
 signal forwarded by torchrun during start-up does not kill a rank.
