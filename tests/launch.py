@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 from torchtitan_rng.launch.runs import run_training, training_command
 
@@ -59,6 +61,15 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def together(*jobs: Callable[[], Any]) -> list[Any]:
+    """Run independent jobs (each a training run or a chain of them, in its own folders) at the same time;
+    their results in order, the first failure raised. A one-process run keeps one core busy: two at once use
+    the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits."""
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    return [future.result() for future in futures]
 
 
 def compare(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches, assert_refused, float_bits
-from launch import EVERY_STEP, train
+from launch import EVERY_STEP, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
@@ -29,17 +29,17 @@ def assert_resume_exact_with_control(tmp_path: Path, overrides: tuple[str, ...],
     common = ("--lr_scheduler.total_steps", str(STEPS), "--checkpoint.interval", str(STOP_AT),
               "--validation.enable", "false", *overrides)
     run_as = {"nproc": nproc, "config": config}
-    train(tmp_path / "A", "--training.steps", str(STEPS), *common, **run_as)
-    for steps in (STOP_AT, STEPS):
-        train(tmp_path / "B", "--checkpoint.enable", "--training.steps", str(steps), *common, **run_as)
-    uninterrupted = read_loss_log(tmp_path / "A")
-    assert sorted(read_loss_log(tmp_path / "B")) == sorted(uninterrupted) == list(range(1, STEPS + 1))
-    assert_every_line_matches(tmp_path / "A", tmp_path / "B")
+    run_a, run_b, control = tmp_path / "A", tmp_path / "B", tmp_path / "control"
+    resume = ("--checkpoint.enable", "--training.steps", str(STEPS), *common)
+    together(lambda: train(run_a, "--training.steps", str(STEPS), *common, **run_as),
+             lambda: train(run_b, "--checkpoint.enable", "--training.steps", str(STOP_AT), *common, **run_as))
+    shutil.copytree(run_b / "checkpoint" / f"step-{STOP_AT}", control / "checkpoint" / f"step-{STOP_AT}")
+    together(lambda: train(run_b, *resume, **run_as),
+             lambda: train(control, *resume, "--checkpoint.restore_rng", "false", **run_as))
 
-    control = tmp_path / "control"
-    shutil.copytree(tmp_path / "B" / "checkpoint" / f"step-{STOP_AT}", control / "checkpoint" / f"step-{STOP_AT}")
-    train(control, "--checkpoint.enable", "--training.steps", str(STEPS), "--checkpoint.restore_rng", "false",
-          *common, **run_as)
+    uninterrupted = read_loss_log(run_a)
+    assert sorted(read_loss_log(run_b)) == sorted(uninterrupted) == list(range(1, STEPS + 1))
+    assert_every_line_matches(run_a, run_b)
     step = STOP_AT + 1
     assert float_bits(read_loss_log(control)[step]["loss"]) != float_bits(uninterrupted[step]["loss"])
 
@@ -87,15 +87,18 @@ def test_several_resumes_in_a_row(tmp_path: Path) -> None:
     common = ("--training.global_batch_size", "16", "--data.num_samples", "48", "--data.num_workers", "2",
               "--activation_checkpoint.mode", "full", "--lr_scheduler.total_steps", str(total),
               "--checkpoint.interval", "100", *EVERY_STEP)
-    train(tmp_path / "A", "--training.steps", str(total), *common)
     resumed = tmp_path / "B"
-    train(resumed, "--checkpoint.enable", "--training.steps", "3", *common)
-    # The signal arrives before step 5 starts; the ranks stop at the end of step 5 with a checkpoint there.
-    train(resumed, "--checkpoint.enable", "--training.steps", str(total), *common,
-          env={"TORCHTITAN_RNG_FAULT": "before_step:5:*:SIGTERM"})
-    assert max(read_loss_log(resumed)) == 5
-    train(resumed, "--checkpoint.enable", "--training.steps", "8", *common)
-    train(resumed, "--checkpoint.enable", "--training.steps", str(total), *common)
+
+    def stop_three_times() -> None:
+        train(resumed, "--checkpoint.enable", "--training.steps", "3", *common)
+        # The signal arrives before step 5 starts; the ranks stop at the end of step 5 with a checkpoint there.
+        train(resumed, "--checkpoint.enable", "--training.steps", str(total), *common,
+              env={"TORCHTITAN_RNG_FAULT": "before_step:5:*:SIGTERM"})
+        assert max(read_loss_log(resumed)) == 5
+        train(resumed, "--checkpoint.enable", "--training.steps", "8", *common)
+        train(resumed, "--checkpoint.enable", "--training.steps", str(total), *common)
+
+    together(lambda: train(tmp_path / "A", "--training.steps", str(total), *common), stop_three_times)
     steps = sorted(int(p.name.split("-")[1]) for p in (resumed / "checkpoint").iterdir())
     assert steps == [3, 5, 8, total]
     assert sorted(read_loss_log(resumed)) == list(range(1, total + 1))
