@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checks import assert_refused
-from launch import compare, train
+from launch import compare, together, train
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.invariant.reduction import butterfly_sum, tree_sum
@@ -102,18 +102,34 @@ class Runs:
 
 @pytest.fixture(scope="module", params=["llama_debug", "flux_debug"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Per model: uninterrupted at 1, 2 and 4 processes; stopped at 4 and resumed at 2 and at 1; a replay of
-    steps 4-5 on 1 process from the 4-process checkpoint of step 3."""
+    """Per model: uninterrupted at 1, 2 and 4 processes, those at 1 and 4 also saving a checkpoint at step 3;
+    the 4-process checkpoint resumed at 2 processes in a folder of its own, and replayed on 1 process from the
+    4-process run's folder (``checkpoint.initial_load_path``)."""
     config = request.param
     folder = tmp_path_factory.mktemp(config)
-    dumps = {f"uninterrupted_{n}": _run(folder / f"uninterrupted_{n}", config, n) for n in (1, 2, 4)}
-    stopped = dumps["stopped_4"] = _run(folder / "stopped_4", config, 4, *CHECKPOINTED, "--training.steps", str(STOP))
-    for n in (2, 1):
-        shutil.copytree(stopped, folder / f"resumed_4_to_{n}")
-        dumps[f"resumed_4_to_{n}"] = _run(folder / f"resumed_4_to_{n}", config, n, *CHECKPOINTED)
-    dumps["replay"] = _run(folder / "replay", config, 1, "--checkpoint.enable", "--checkpoint.initial_load_path",
-                           str(stopped / "checkpoint"), "--checkpoint.load_step", str(STOP), "--training.steps", "5")
+    dumps = {name: folder / name for name in ("uninterrupted_1", "uninterrupted_2", "uninterrupted_4",
+                                              "resumed_4_to_2", "replay")}
+    together(lambda: _run(dumps["uninterrupted_1"], config, 1, *CHECKPOINTED),
+             lambda: _run(dumps["uninterrupted_2"], config, 2))
+    _run(dumps["uninterrupted_4"], config, 4, *CHECKPOINTED)
+    _copy_checkpoint(dumps["uninterrupted_4"], dumps["resumed_4_to_2"])
+    together(lambda: _run(dumps["resumed_4_to_2"], config, 2, *CHECKPOINTED),
+             lambda: _run(dumps["replay"], config, 1, "--checkpoint.enable", "--checkpoint.initial_load_path",
+                          str(dumps["uninterrupted_4"] / "checkpoint"), "--checkpoint.load_step", str(STOP)))
     return Runs(config, dumps)
+
+
+def _copy_checkpoint(source: Path, dump: Path) -> None:
+    """A fresh dump folder holding only ``source``'s checkpoint of step STOP."""
+    name = f"step-{STOP}"
+    shutil.copytree(source / "checkpoint" / name, dump / "checkpoint" / name)
+
+
+def _assert_continues(reference: Path, resumed: Path) -> None:
+    """``resumed`` logged steps STOP+1.. to the end, each with ``reference``'s bits."""
+    assert sorted(read_loss_log(resumed)) == list(range(STOP + 1, STEPS + 1))
+    result = compare(reference, resumed, "--only-common-steps")
+    assert result.returncode == 0, result.stdout
 
 
 @pytest.mark.e2e
@@ -125,19 +141,14 @@ def test_uninterrupted_same_bits_at_1_2_4_processes(runs: Runs) -> None:
 
 
 @pytest.mark.e2e
-def test_stopped_at_4_resumed_at_2_and_at_1_same_bits(runs: Runs) -> None:
-    for n in (2, 1):
-        resumed = runs.dumps[f"resumed_4_to_{n}"]
-        assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
-        result = compare(runs.dumps["uninterrupted_1"], resumed)
-        assert result.returncode == 0, result.stdout
+def test_4_process_checkpoint_resumed_at_2_and_at_1_same_bits(runs: Runs) -> None:
+    for resumed in (runs.dumps["resumed_4_to_2"], runs.dumps["replay"]):
+        _assert_continues(runs.dumps["uninterrupted_1"], resumed)
 
 
 @pytest.mark.e2e
 def test_replay_on_one_process_from_4_process_checkpoint(runs: Runs) -> None:
-    assert sorted(read_loss_log(runs.dumps["replay"])) == [4, 5]
-    result = compare(runs.dumps["uninterrupted_4"], runs.dumps["replay"], "--only-common-steps")
-    assert result.returncode == 0, result.stdout
+    _assert_continues(runs.dumps["uninterrupted_4"], runs.dumps["replay"])
 
 
 @pytest.mark.e2e
@@ -155,20 +166,21 @@ def test_control_ordinary_data_parallelism_differs(runs: Runs, tmp_path: Path) -
 @pytest.mark.e2e
 def test_one_process_checkpoint_resumes_at_4(runs: Runs, tmp_path: Path) -> None:
     """1 -> 4: a checkpoint of one process continues at four processes on the same bits."""
-    stopped = _run(tmp_path, runs.config, 1, *CHECKPOINTED, "--training.steps", str(STOP))
-    _run(stopped, runs.config, 4, *CHECKPOINTED)
-    result = compare(runs.dumps["uninterrupted_4"], stopped)
-    assert result.returncode == 0, result.stdout
+    _copy_checkpoint(runs.dumps["uninterrupted_1"], tmp_path)
+    _run(tmp_path, runs.config, 4, *CHECKPOINTED)
+    _assert_continues(runs.dumps["uninterrupted_4"], tmp_path)
 
 
 @pytest.mark.e2e
 def test_checkpoint_mode_mismatch_refused_in_one_line(runs: Runs, tmp_path: Path) -> None:
-    stopped = runs.dumps["stopped_4"] / "checkpoint"
-    common = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(stopped), "--training.steps", "5"]
-    without = train(tmp_path / "without", *common, config=runs.config, check=False)
+    saved = runs.dumps["uninterrupted_4"] / "checkpoint"
+    common = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(saved), "--checkpoint.load_step",
+              str(STOP), "--training.steps", "5"]
+    without, other_batch = together(
+        lambda: train(tmp_path / "without", *common, config=runs.config, check=False),
+        lambda: train(tmp_path / "other", *INVARIANT, *common, "--training.global_batch_size", "16",
+                      config=runs.config, check=False))
     assert_refused(without, "resume it with --parallelism.world_size_invariant")
-    other_batch = train(tmp_path / "other", *INVARIANT, *common, "--training.global_batch_size", "16",
-                        config=runs.config, check=False)
     assert_refused(other_batch, "training.global_batch_size = 16 but checkpoint")  # the run record refuses it
 
 
