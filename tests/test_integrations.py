@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_env
+from launch import REPO, run_env, together
 
 SCRIPTS = REPO / "tests" / "integrations"
 
@@ -31,9 +31,12 @@ def _losses(out: Path, nproc: int) -> list[str]:
 def _hf(tmp_path: Path, *common: str, stop: tuple[str, ...], resume: tuple[str, ...], stock: bool = False,
         nproc: int = 1) -> tuple[list[str], list[str]]:
     flags = ("--stock",) if stock else ()
-    _run("hf_run.py", tmp_path / "A", *common, *flags, nproc=nproc)
-    _run("hf_run.py", tmp_path / "B", *common, *flags, *stop, nproc=nproc)
-    _run("hf_run.py", tmp_path / "B", *common, *flags, *resume, nproc=nproc)
+
+    def stop_and_resume() -> None:
+        _run("hf_run.py", tmp_path / "B", *common, *flags, *stop, nproc=nproc)
+        _run("hf_run.py", tmp_path / "B", *common, *flags, *resume, nproc=nproc)
+
+    together(lambda: _run("hf_run.py", tmp_path / "A", *common, *flags, nproc=nproc), stop_and_resume)
     return _losses(tmp_path / "A", nproc), _losses(tmp_path / "B", nproc)
 
 
@@ -70,9 +73,13 @@ def test_hf_two_processes_sigterm_resumes_bitwise(tmp_path: Path) -> None:
 
 def _lightning(tmp_path: Path, stop: tuple[str, ...], checkpoint: str, stock: bool = False) -> tuple[list[str], list[str]]:
     common = ("--workers", "2", "--max-steps", "8", *(("--stock",) if stock else ()))
-    _run("lightning_run.py", tmp_path / "A", *common, nproc=2)
-    _run("lightning_run.py", tmp_path / "B", *common, *stop, nproc=2)
-    _run("lightning_run.py", tmp_path / "B", *common, "--resume", str(tmp_path / "B" / "ckpt" / checkpoint), nproc=2)
+
+    def stop_and_resume() -> None:
+        _run("lightning_run.py", tmp_path / "B", *common, *stop, nproc=2)
+        _run("lightning_run.py", tmp_path / "B", *common, "--resume", str(tmp_path / "B" / "ckpt" / checkpoint),
+             nproc=2)
+
+    together(lambda: _run("lightning_run.py", tmp_path / "A", *common, nproc=2), stop_and_resume)
     return _losses(tmp_path / "A", 2), _losses(tmp_path / "B", 2)
 
 
