@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from launch import compare, train
+from launch import compare, together, train
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import ModelState
@@ -76,13 +76,17 @@ def test_async_save_is_the_boundary_not_the_write(tmp_path: Path) -> None:
 def test_resume_from_async_checkpoint_is_exact(tmp_path: Path, config: str, nproc: int) -> None:
     run_a, run_b = tmp_path / "A", tmp_path / "B"
     common = ["--checkpoint.enable", "--checkpoint.interval", str(INTERVAL), "--lr_scheduler.total_steps", str(TOTAL)]
-    train(run_a, "--training.steps", str(TOTAL), *common, nproc=nproc, config=config)
-    # B: async saves, stopped at 10; then resumed from the async checkpoint of step 8.
     asynchronous = [*common, "--checkpoint.async_mode", "async"]
-    train(run_b, "--training.steps", str(STOP), *asynchronous, nproc=nproc, config=config)
-    assert sorted(p.name for p in (run_b / "checkpoint").iterdir()) == ["step-10", "step-4", "step-8"]
-    train(run_b, "--training.steps", str(TOTAL), *asynchronous, "--checkpoint.load_step", "8", nproc=nproc,
-          config=config)
+
+    def stop_and_resume_from_8() -> None:
+        """B: async saves, stopped at 10; then resumed from the async checkpoint of step 8."""
+        train(run_b, "--training.steps", str(STOP), *asynchronous, nproc=nproc, config=config)
+        assert sorted(p.name for p in (run_b / "checkpoint").iterdir()) == ["step-10", "step-4", "step-8"]
+        train(run_b, "--training.steps", str(TOTAL), *asynchronous, "--checkpoint.load_step", "8", nproc=nproc,
+              config=config)
+
+    together(lambda: train(run_a, "--training.steps", str(TOTAL), *common, nproc=nproc, config=config),
+             stop_and_resume_from_8)
 
     result = compare(run_a, run_b)
     assert result.returncode == 0, result.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches, float_bits
-from launch import compare, train
+from launch import compare, together, train
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
@@ -101,8 +101,9 @@ def test_kill_between_two_log_flushes_loses_only_what_the_resume_redoes(tmp_path
     with the bits of a run that wrote every step as it finished."""
     run = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", "--checkpoint.enable",
            "--checkpoint.interval", "3")
-    train(tmp_path / "A", *run, "--metrics.log_freq", "1")
-    killed = train(tmp_path / "B", *run, "--metrics.log_freq", "4", env={FAULT_ENV: "before_step:6"}, check=False)
+    _, killed = together(
+        lambda: train(tmp_path / "A", *run, "--metrics.log_freq", "1"),
+        lambda: train(tmp_path / "B", *run, "--metrics.log_freq", "4", env={FAULT_ENV: "before_step:6"}, check=False))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # Control: the kill did fall between two writes, so step 5 was really lost.
     assert sorted(read_loss_log(tmp_path / "B")) == [1, 2, 3, 4]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import compare, stop_and_resume, train
+from launch import compare, stop_and_resume, together, train
 from token_data import write_jsonl, write_token_file
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.loss_log import read_loss_log
@@ -115,30 +115,31 @@ STEPS = ("--training.steps", "8")
 
 
 @pytest.fixture(scope="module")
-def bin_uninterrupted(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("bin_A")
-    train(dump, "--training.dataset_path", str(data["bin"]), *STEPS)
-    return dump
+def bin_runs(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The .bin file: uninterrupted, beside the same run stopped at 4 and resumed to 8."""
+    run_a, run_b = tmp_path_factory.mktemp("bin_A"), tmp_path_factory.mktemp("bin_B")
+    _uninterrupted_beside_resumed(run_a, run_b, "--training.dataset_path", str(data["bin"]))
+    return run_a, run_b
 
 
-@pytest.fixture(scope="module")
-def bin_resumed(data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("bin_B")
-    stop_and_resume(dump, 4, 8, "--training.dataset_path", str(data["bin"]), interval=4)
-    return dump
+def _uninterrupted_beside_resumed(run_a: Path, run_b: Path, *overrides: str, nproc: int = 1) -> None:
+    together(lambda: train(run_a, *overrides, *STEPS, nproc=nproc),
+             lambda: stop_and_resume(run_b, 4, 8, *overrides, interval=4, nproc=nproc))
 
 
 @pytest.mark.e2e
-def test_bin_resumes_exactly(bin_uninterrupted: Path, bin_resumed: Path) -> None:
+def test_bin_resumes_exactly(bin_runs: tuple[Path, Path]) -> None:
+    bin_uninterrupted, bin_resumed = bin_runs
     result = compare(bin_uninterrupted, bin_resumed)
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(bin_resumed)) == list(range(1, 9))
 
 
 @pytest.mark.e2e
-def test_bin_control_without_the_data_position_differs(data: dict[str, Path], bin_uninterrupted: Path,
-                                                       bin_resumed: Path, tmp_path: Path) -> None:
+def test_bin_control_without_the_data_position_differs(data: dict[str, Path], bin_runs: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
     """The comparison catches a real divergence: the same resume with the dataloader's state left out."""
+    bin_uninterrupted, bin_resumed = bin_runs
     shutil.copytree(bin_resumed / "checkpoint" / "step-4", tmp_path / "checkpoint" / "step-4")
     train(tmp_path, "--training.dataset_path", str(data["bin"]), *STEPS, "--checkpoint.enable",
           "--checkpoint.interval", "4", "--lr_scheduler.total_steps", "8",
@@ -150,17 +151,14 @@ def test_bin_control_without_the_data_position_differs(data: dict[str, Path], bi
 
 @pytest.mark.e2e
 def test_jsonl_resumes_exactly(data: dict[str, Path], tmp_path: Path) -> None:
-    overrides = ("--training.dataset_path", str(data["jsonl"]))
-    train(tmp_path / "A", *overrides, *STEPS)
-    stop_and_resume(tmp_path / "B", 4, 8, *overrides, interval=4)
+    _uninterrupted_beside_resumed(tmp_path / "A", tmp_path / "B", "--training.dataset_path", str(data["jsonl"]))
     result = compare(tmp_path / "A", tmp_path / "B")
     assert result.returncode == 0, result.stdout
 
 
 @pytest.mark.e2e
 def test_bin_two_processes_resume_exactly(data: dict[str, Path], tmp_path: Path) -> None:
-    overrides = ("--training.dataset_path", str(data["bin"]))
-    train(tmp_path / "A", *overrides, *STEPS, nproc=2)
-    stop_and_resume(tmp_path / "B", 4, 8, *overrides, interval=4, nproc=2)
+    _uninterrupted_beside_resumed(tmp_path / "A", tmp_path / "B", "--training.dataset_path", str(data["bin"]),
+                                  nproc=2)
     result = compare(tmp_path / "A", tmp_path / "B")
     assert result.returncode == 0, result.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, compare, run_env, train
+from launch import REPO, compare, run_env, together, train
 from torchtitan_rng.diagnosis.divergence import diagnose
 from torchtitan_rng.loss_log import read_loss_log
 
@@ -115,18 +115,32 @@ def _verify(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=run_env(), timeout=600)
 
 
+VERIFIED = {  # the checks of verify_resume below, by name: its arguments
+    "llama_debug": ("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4"),
+    "flux_debug": ("--config", "train_configs/flux_debug.toml", "--steps", "8", "--stop-at", "4"),
+    "without_rng_restore": ("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4",
+                            "--checkpoint.restore_rng", "false"),
+}
+
+
+@pytest.fixture(scope="module")
+def verified() -> dict[str, subprocess.CompletedProcess]:
+    """Each check of VERIFIED (three runs, one process each, one after another), the checks side by side."""
+    results = together(*(lambda args=args: _verify(*args) for args in VERIFIED.values()))
+    return dict(zip(VERIFIED, results))
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])
-def test_verify_resume_passes(config: str) -> None:
-    proc = _verify("--config", f"train_configs/{config}.toml", "--steps", "8", "--stop-at", "4")
+def test_verify_resume_passes(verified: dict[str, subprocess.CompletedProcess], config: str) -> None:
+    proc = verified[config]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1].startswith("PASS: identical: 8 steps (1..8) with bitwise-equal losses")
 
 
 @pytest.mark.e2e
-def test_verify_resume_fails_without_rng_restore() -> None:
-    proc = _verify("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4",
-                   "--checkpoint.restore_rng", "false")
+def test_verify_resume_fails_without_rng_restore(verified: dict[str, subprocess.CompletedProcess]) -> None:
+    proc = verified["without_rng_restore"]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
     assert "FAIL: first differing step 5:" in out, out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from checks import float_bits
-from launch import REPO, compare, run_env, stop_and_resume, train
+from launch import REPO, compare, run_env, stop_and_resume, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
@@ -59,9 +59,12 @@ DDP_STEPS, DDP_STOP = 14, 9  # 6 steps per epoch: the stop is in the second epoc
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     uninterrupted, resumed = tmp_path_factory.mktemp("ddp_A"), tmp_path_factory.mktemp("ddp_B")
-    run_example("ddp_exact_resume.py", "--out", str(uninterrupted), "--steps", str(DDP_STEPS), nproc=2)
-    run_example("ddp_exact_resume.py", "--out", str(resumed), "--steps", str(DDP_STOP), nproc=2)
-    run_example("ddp_exact_resume.py", "--out", str(resumed), "--steps", str(DDP_STEPS), nproc=2)
+
+    def run(out: Path, *stops: int) -> None:
+        for steps in stops:
+            run_example("ddp_exact_resume.py", "--out", str(out), "--steps", str(steps), nproc=2)
+
+    together(lambda: run(uninterrupted, DDP_STEPS), lambda: run(resumed, DDP_STOP, DDP_STEPS))
     return uninterrupted, resumed
 
 
@@ -88,9 +91,12 @@ ORDER_STEPS, ORDER_STOP = 6, 3
 @pytest.fixture(scope="module")
 def order_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     uninterrupted, resumed = tmp_path_factory.mktemp("order_A"), tmp_path_factory.mktemp("order_B")
-    run_example("restore_order.py", "--out", str(uninterrupted), "--steps", str(ORDER_STEPS))
-    run_example("restore_order.py", "--out", str(resumed), "--steps", str(ORDER_STOP))
-    run_example("restore_order.py", "--out", str(resumed), "--steps", str(ORDER_STEPS))
+
+    def run(out: Path, *stops: int) -> None:
+        for steps in stops:
+            run_example("restore_order.py", "--out", str(out), "--steps", str(steps))
+
+    together(lambda: run(uninterrupted, ORDER_STEPS), lambda: run(resumed, ORDER_STOP, ORDER_STEPS))
     return uninterrupted, resumed
 
 
@@ -131,9 +137,10 @@ PLUGIN_ENV = with_path(EXAMPLES / "plugin")
 @pytest.fixture(scope="module")
 def plugin_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     uninterrupted, resumed = tmp_path_factory.mktemp("plugin_A"), tmp_path_factory.mktemp("plugin_B")
-    train(uninterrupted, "--training.steps", str(PLUGIN_STEPS), config=PLUGIN_CONFIG, env=PLUGIN_ENV,
-          via_run_train=True)
-    stop_and_resume(resumed, PLUGIN_STOP, PLUGIN_STEPS, config=PLUGIN_CONFIG, env=PLUGIN_ENV, via_run_train=True)
+    together(lambda: train(uninterrupted, "--training.steps", str(PLUGIN_STEPS), config=PLUGIN_CONFIG, env=PLUGIN_ENV,
+                           via_run_train=True),
+             lambda: stop_and_resume(resumed, PLUGIN_STOP, PLUGIN_STEPS, config=PLUGIN_CONFIG, env=PLUGIN_ENV,
+                                     via_run_train=True))
     return uninterrupted, resumed
 
 

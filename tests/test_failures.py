@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches, assert_refused
-from launch import REPO, run_env, train
+from launch import REPO, run_env, together, train
 from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.launch.runs import training_command
@@ -47,8 +47,8 @@ def _limit_file_size() -> None:
 
 def test_disk_full_says_so_keeps_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     reference, dump = tmp_path / "reference", tmp_path / "run"
-    train(reference, "--training.steps", "6", *COMMON)
-    train(dump, "--training.steps", "4", *COMMON)
+    together(lambda: train(reference, "--training.steps", "6", *COMMON),
+             lambda: train(dump, "--training.steps", "4", *COMMON))
 
     started = time.monotonic()
     full = _run(dump, "--training.steps", "6", *COMMON, preexec_fn=_limit_file_size)

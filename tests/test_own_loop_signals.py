@@ -6,6 +6,7 @@ bit for bit."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches
-from launch import REPO, run_env
+from launch import REPO, run_env, together
 from torchtitan_rng.checkpoint.layout import complete_steps
 
 pytestmark = pytest.mark.e2e
@@ -32,27 +33,23 @@ def _torchrun(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_sigterm_to_the_group_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    for out in (reference, run):
+    reference, run, control = tmp_path / "reference", tmp_path / "run", tmp_path / "control"
+    for out in (reference, run, control):
         out.mkdir()
-    assert _torchrun(reference, str(STEPS)).returncode == 0
-
-    _torchrun(run, str(STEPS), "--signal-at", str(SIGNAL_AT))  # torchrun itself reports the signal it got
+    # The reference beside the signalled run (torchrun itself reports the signal it got).
+    uninterrupted, _ = together(lambda: _torchrun(reference, str(STEPS)),
+                                lambda: _torchrun(run, str(STEPS), "--signal-at", str(SIGNAL_AT)))
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     exits = sorted((run / "exits").read_text().splitlines())
     assert exits == [f"rank {rank} left the loop after step {STOP}" for rank in (0, 1)], exits
     assert complete_steps(run / "checkpoint") == [STOP]
 
-    control = tmp_path / "control"
-    control.mkdir()
+    # The control, beside the resume: the same checkpoint resumed without restore_rng().
     (control / "loss_log.jsonl").write_text((run / "loss_log.jsonl").read_text())
-    (control / "checkpoint").mkdir()
-    (run / "checkpoint" / f"step-{STOP}").rename(control / "checkpoint" / f"step-{STOP}")
-    resumed = _torchrun(control, str(STEPS), "--no-restore")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (control / "checkpoint" / f"step-{STOP}").rename(run / "checkpoint" / f"step-{STOP}")
-
-    resumed = _torchrun(run, str(STEPS))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    shutil.copytree(run / "checkpoint" / f"step-{STOP}", control / "checkpoint" / f"step-{STOP}")
+    for resumed in together(lambda: _torchrun(run, str(STEPS)),
+                            lambda: _torchrun(control, str(STEPS), "--no-restore")):
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_every_line_matches(reference, run)
     # Control: the same resume without restore_rng() (other dropout masks) is caught at its first step.
     with pytest.raises(AssertionError, match=f"step {STOP + 1}:"):

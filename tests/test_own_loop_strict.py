@@ -40,8 +40,7 @@ def _in_group(rank: int, world: int, folder: Path, action: str) -> None:
     exact = _loop(folder / "checkpoint")
     if action == "save":
         _train(exact)
-    elif action == "load":  # the control: the same process count loads
-        assert exact.load() == STEPS
+        assert _loop(folder / "checkpoint").load() == STEPS  # the control: the same process count loads
     else:
         with pytest.raises(CheckpointError, match=r"saved by 1 processes and this run has 2: .*run with 1 processes"):
             exact.load()
@@ -56,8 +55,7 @@ def test_two_processes_refuse_a_one_process_checkpoint(tmp_path: Path) -> None:
 
 @pytest.mark.e2e  # starts processes
 def test_one_process_refuses_a_two_process_checkpoint(tmp_path: Path) -> None:
-    mp.spawn(_in_group, args=(2, tmp_path, "save"), nprocs=2, join=True)
-    mp.spawn(_in_group, args=(2, tmp_path, "load"), nprocs=2, join=True)  # control: 2 -> 2 resumes
+    mp.spawn(_in_group, args=(2, tmp_path, "save"), nprocs=2, join=True)  # and, the control, 2 -> 2 loads
     with pytest.raises(CheckpointError, match=r"saved by 2 processes and this run has 1: .*run with 2 processes"):
         _loop(tmp_path / "checkpoint").load()
 

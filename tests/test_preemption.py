@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from checks import assert_every_line_matches
-from launch import EVERY_STEP, compare, start, train, wait_for_log_lines
+from launch import EVERY_STEP, compare, start, together, train, wait_for_log_lines
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
@@ -91,12 +91,13 @@ def test_control_resume_without_rng_differs(uninterrupted: Path, preempted: dict
 
 def test_configured_signal_only(tmp_path: Path) -> None:
     """signals.checkpoint_on decides: SIGUSR2 checkpoints when listed; SIGUSR1, no longer listed, kills."""
-    listed = train(tmp_path / "usr2", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6", *EVERY_STEP,
-                   env={FAULT_ENV: "before_step:3:0:SIGUSR2"})
+    listed, unlisted = together(
+        lambda: train(tmp_path / "usr2", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6", *EVERY_STEP,
+                      env={FAULT_ENV: "before_step:3:0:SIGUSR2"}),
+        lambda: train(tmp_path / "usr1", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6",
+                      env={FAULT_ENV: "before_step:3:0:SIGUSR1"}, check=False))
     assert "stopped by SIGUSR2 at step 3" in listed.stdout
     assert _steps_saved(tmp_path / "usr2") == [3]
-    unlisted = train(tmp_path / "usr1", "--signals.checkpoint_on", "SIGUSR2", "--training.steps", "6",
-                     env={FAULT_ENV: "before_step:3:0:SIGUSR1"}, check=False)
     assert unlisted.returncode == -signal.SIGUSR1
     assert _steps_saved(tmp_path / "usr1") == []
 
@@ -105,12 +106,16 @@ def test_sigterm_to_every_process_with_dataloader_workers(tmp_path: Path) -> Non
     """A cluster signals every process of the job, dataloader workers included: the workers must not die
     of it (the rank would fail with them); the rank saves, and the resume is exact."""
     run = ("--data.num_workers", "2", "--training.steps", "8", "--lr_scheduler.total_steps", "8", *CKPT)
-    train(tmp_path / "A", *run)
-    job = start(tmp_path / "B", *run, new_session=True)
-    wait_for_log_lines(tmp_path / "B", 3, job)
-    os.killpg(job.pid, signal.SIGTERM)
-    out, err = job.communicate(timeout=300)
-    assert job.returncode == 0 and "stopped by SIGTERM at step" in out, err[-3000:]
+
+    def signalled() -> subprocess.CompletedProcess:
+        job = start(tmp_path / "B", *run, new_session=True)
+        wait_for_log_lines(tmp_path / "B", 3, job)
+        os.killpg(job.pid, signal.SIGTERM)
+        out, err = job.communicate(timeout=300)
+        return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+    _, job = together(lambda: train(tmp_path / "A", *run), signalled)
+    assert job.returncode == 0 and "stopped by SIGTERM at step" in job.stdout, job.stderr[-3000:]
     assert len(_steps_saved(tmp_path / "B")) == 1 and _steps_saved(tmp_path / "B")[0] < 8
     train(tmp_path / "B", *run)
     result = compare(tmp_path / "A", tmp_path / "B")

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from launch import compare, stop_and_resume, train
+from launch import compare, stop_and_resume, together, train
 from token_data import write_jsonl, write_token_file
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError, parse_args
@@ -125,8 +125,8 @@ TRAIN = ("--data.streaming", "--data.shuffle_buffer", "16", "--data.num_samples"
 def test_trainer_stream_resumes_exactly(data: dict[str, Path], tmp_path: Path, kind: str, num_workers: int,
                                         nproc: int) -> None:
     overrides = ("--training.dataset_path", str(data[kind]), "--data.num_workers", str(num_workers), *TRAIN)
-    train(tmp_path / "A", *overrides, nproc=nproc)
-    stop_and_resume(tmp_path / "B", 4, 8, *overrides, interval=4, nproc=nproc)
+    together(lambda: train(tmp_path / "A", *overrides, nproc=nproc),
+             lambda: stop_and_resume(tmp_path / "B", 4, 8, *overrides, interval=4, nproc=nproc))
     result = compare(tmp_path / "A", tmp_path / "B")
     assert result.returncode == 0, result.stdout
     if num_workers == 2 and nproc == 1:  # the same checkpoint with another worker count: one line, exit 2

@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from launch import REPO, compare, train
+from launch import REPO, compare, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
@@ -65,8 +65,9 @@ def resumed_twice(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, in
 @pytest.mark.parametrize("config", CONFIGS)
 def test_trainer_resumes_across_epochs(config: str, num_workers: int, uninterrupted: Callable[[str, int], Path],
                                        resumed_twice: Callable[[str, int], Path]) -> None:
-    resumed = resumed_twice(config, num_workers)
-    result = compare(uninterrupted(config, num_workers), resumed)
+    reference, resumed = together(lambda: uninterrupted(config, num_workers),
+                                  lambda: resumed_twice(config, num_workers))
+    result = compare(reference, resumed)
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
     assert {f"step-{BOUNDARY_STOP}", f"step-{MID_EPOCH_STOP}"} <= {p.name for p in (resumed / "checkpoint").iterdir()}
@@ -95,10 +96,15 @@ def form2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A form-2 dataset (global RNGs in __getitem__) with 2 workers: uninterrupted, and stopped mid-epoch
     with snapshots every 3 steps (the checkpoint falls between two) and resumed."""
     run_a, run_b = tmp_path_factory.mktemp("form2_A"), tmp_path_factory.mktemp("form2_B")
-    train(run_a, *COMMON, *FORM2, "--training.steps", str(STEPS), "--data.num_workers", "2", env=FORM2_ENV)
-    for stop in (MID_EPOCH_STOP, STEPS):
-        train(run_b, *COMMON, *FORM2, *CHECKPOINTED, "--data.num_workers", "2", "--data.snapshot_every_n_steps", "3",
-              "--training.steps", str(stop), env=FORM2_ENV)
+
+    def stop_and_resume() -> None:
+        for stop in (MID_EPOCH_STOP, STEPS):
+            train(run_b, *COMMON, *FORM2, *CHECKPOINTED, "--data.num_workers", "2", "--data.snapshot_every_n_steps",
+                  "3", "--training.steps", str(stop), env=FORM2_ENV)
+
+    together(lambda: train(run_a, *COMMON, *FORM2, "--training.steps", str(STEPS), "--data.num_workers", "2",
+                           env=FORM2_ENV),
+             stop_and_resume)
     return run_a, run_b
 
 
