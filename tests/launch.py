@@ -64,10 +64,10 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
 
 
 def together(*jobs: Callable[[], Any]) -> list[Any]:
-    """Run independent jobs (each a training run or a chain of them, in its own folders) at the same time;
-    their results in order, the first failure raised. A one-process run keeps one core busy: two at once use
+    """Run independent jobs (each a training run or a chain of them, in its own folders) all at once; their
+    results in order, the first failure raised. A one-process run keeps one core busy: side by side they use
     the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits."""
-    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = [pool.submit(job) for job in jobs]
     return [future.result() for future in futures]
 

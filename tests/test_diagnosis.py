@@ -17,12 +17,29 @@ from torchtitan_rng.loss_log import read_loss_log
 STEPS = 8
 
 
+# Runs that perturb one stream on one rank entering one step: how the diagnosis line naming it ends (None:
+# not checked).
+PERTURBED = {("torch_cpu", 1, 5): None, ("dataloader", 0, 3): "B holds the state A had entering step 4"}
+
+
 @pytest.fixture(scope="module")
-def fingerprinted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """Run A: two processes, fingerprints on, a progress line every 4 steps."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[tuple[str, int, int], Path]]:
+    """Run A: two processes, fingerprints on, a progress line every 4 steps; beside it, one run per
+    PERTURBED case."""
     dump = tmp_path_factory.mktemp("fingerprinted")
-    proc = train(dump, "--training.steps", str(STEPS), "--debug.rng_fingerprint", "--metrics.log_freq", "4", nproc=2)
-    return dump, proc.stdout
+    perturbed = {case: tmp_path_factory.mktemp(f"perturbed_{case[0]}") for case in PERTURBED}
+    proc, *_ = together(
+        lambda: train(dump, "--training.steps", str(STEPS), "--debug.rng_fingerprint", "--metrics.log_freq", "4",
+                      nproc=2),
+        *(lambda case=case, out=out: train(out, "--training.steps", str(STEPS), "--debug.rng_fingerprint",
+                                           "--debug.perturb_rng", ":".join(map(str, case)), nproc=2)
+          for case, out in perturbed.items()))
+    return dump, proc.stdout, perturbed
+
+
+@pytest.fixture(scope="module")
+def fingerprinted(runs: tuple[Path, str, dict[tuple[str, int, int], Path]]) -> tuple[Path, str]:
+    return runs[0], runs[1]
 
 
 @pytest.mark.e2e
@@ -41,15 +58,12 @@ def test_every_line_has_every_rank_fingerprints(fingerprinted: tuple[Path, str])
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    ("stream", "rank", "step", "behind"),
-    [("torch_cpu", 1, 5, None), ("dataloader", 0, 3, "B holds the state A had entering step 4")],
-)
-def test_deliberate_divergence_is_named(fingerprinted: tuple[Path, str], tmp_path: Path, stream: str,
-                                        rank: int, step: int, behind: str | None) -> None:
-    train(tmp_path, "--training.steps", str(STEPS), "--debug.rng_fingerprint",
-          "--debug.perturb_rng", f"{stream}:{rank}:{step}", nproc=2)
-    result = compare(fingerprinted[0], tmp_path)
+@pytest.mark.parametrize(("stream", "rank", "step"), PERTURBED)
+def test_deliberate_divergence_is_named(runs: tuple[Path, str, dict[tuple[str, int, int], Path]], stream: str,
+                                        rank: int, step: int) -> None:
+    fingerprinted, _, perturbed = runs
+    behind = PERTURBED[stream, rank, step]
+    result = compare(fingerprinted, perturbed[stream, rank, step])
     assert result.returncode == 1, result.stdout
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"first differing step {step}:"), result.stdout
