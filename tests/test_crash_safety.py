@@ -119,9 +119,10 @@ def test_an_error_between_two_log_flushes_keeps_the_queued_steps(tmp_path: Path)
     """A run that fails with a Python error (here an interrupt before step 6) still writes the steps it
     finished since the last write, with their bits; the SIGKILL test above is the control (step 5 lost)."""
     run = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", "--metrics.log_freq", "4")
-    failed = train(tmp_path / "B", *run, env={FAULT_ENV: "before_step:6:0:SIGINT"}, check=False)
+    failed, _ = together(
+        lambda: train(tmp_path / "B", *run, env={FAULT_ENV: "before_step:6:0:SIGINT"}, check=False),
+        lambda: train(tmp_path / "A", *run[:4], "--metrics.log_freq", "1"))
     assert failed.returncode != 0
     assert sorted(read_loss_log(tmp_path / "B")) == [1, 2, 3, 4, 5]
-    train(tmp_path / "A", *run[:4], "--metrics.log_freq", "1")
     reference, failed_log = read_loss_log(tmp_path / "A"), read_loss_log(tmp_path / "B")
     assert all(float_bits(failed_log[step]["loss"]) == float_bits(reference[step]["loss"]) for step in failed_log)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import compare, stop_and_resume, train
+from launch import compare, stop_and_resume, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.e2e
@@ -19,10 +19,25 @@ def uninterrupted(llama_uninterrupted: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stopped_and_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("llama_B")
-    stop_and_resume(dump, stop_at=10, total=20)
-    return dump
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Stopped at 10 and resumed to 20, on 1 and on 2 processes side by side; then from the 1-process run's
+    checkpoints, side by side: step 5 into a fresh folder, and step 10 without the RNG restore (the control)."""
+    folder = tmp_path_factory.mktemp("llama_B")
+    dumps = {name: folder / name for name in ("one_process", "two_processes", "older", "without_rng")}
+    together(lambda: stop_and_resume(dumps["one_process"], stop_at=10, total=20),
+             lambda: stop_and_resume(dumps["two_processes"], stop_at=10, total=20, nproc=2))
+    shutil.copytree(dumps["one_process"] / "checkpoint" / "step-10", dumps["without_rng"] / "checkpoint" / "step-10")
+    together(lambda: train(dumps["older"], "--checkpoint.enable", "--checkpoint.initial_load_path",
+                           str(dumps["one_process"] / "checkpoint"), "--checkpoint.load_step", "5",
+                           "--lr_scheduler.total_steps", "20"),
+             lambda: train(dumps["without_rng"], "--checkpoint.enable", "--lr_scheduler.total_steps", "20",
+                           "--checkpoint.restore_rng", "false"))
+    return dumps
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(runs: dict[str, Path]) -> Path:
+    return runs["one_process"]
 
 
 def test_resumed_log_equals_uninterrupted(uninterrupted: Path, stopped_and_resumed: Path) -> None:
@@ -33,26 +48,21 @@ def test_resumed_log_equals_uninterrupted(uninterrupted: Path, stopped_and_resum
     assert steps == ["step-10", "step-15", "step-20", "step-5"]
 
 
-def test_older_checkpoint_into_fresh_folder(uninterrupted: Path, stopped_and_resumed: Path, tmp_path: Path) -> None:
-    train(tmp_path, "--checkpoint.enable", "--checkpoint.initial_load_path", str(stopped_and_resumed / "checkpoint"),
-          "--checkpoint.load_step", "5", "--lr_scheduler.total_steps", "20")
-    assert sorted(read_loss_log(tmp_path)) == list(range(6, 21))
-    result = compare(uninterrupted, tmp_path, "--only-common-steps")
+def test_older_checkpoint_into_fresh_folder(uninterrupted: Path, runs: dict[str, Path]) -> None:
+    assert sorted(read_loss_log(runs["older"])) == list(range(6, 21))
+    result = compare(uninterrupted, runs["older"], "--only-common-steps")
     assert result.returncode == 0, result.stdout
 
 
-def test_control_without_rng_restore_differs(uninterrupted: Path, stopped_and_resumed: Path, tmp_path: Path) -> None:
+def test_control_without_rng_restore_differs(uninterrupted: Path, runs: dict[str, Path]) -> None:
     """The comparison can fail: the same resume with the RNG restore switched off is caught."""
-    shutil.copytree(stopped_and_resumed / "checkpoint" / "step-10", tmp_path / "checkpoint" / "step-10")
-    train(tmp_path, "--checkpoint.enable", "--lr_scheduler.total_steps", "20", "--checkpoint.restore_rng", "false")
-    result = compare(uninterrupted, tmp_path, "--only-common-steps")
+    result = compare(uninterrupted, runs["without_rng"], "--only-common-steps")
     assert result.returncode == 1
     assert result.stdout.startswith("first differing step 11:"), result.stdout
 
 
-def test_two_processes_resume_exactly(llama_uninterrupted_two_processes: Path, tmp_path: Path) -> None:
-    stop_and_resume(tmp_path, stop_at=10, total=20, nproc=2)
-    result = compare(llama_uninterrupted_two_processes, tmp_path)
+def test_two_processes_resume_exactly(llama_uninterrupted_two_processes: Path, runs: dict[str, Path]) -> None:
+    result = compare(llama_uninterrupted_two_processes, runs["two_processes"])
     assert result.returncode == 0, result.stdout
 
 
