@@ -50,15 +50,26 @@ def test_importing_the_package_imports_no_framework() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env=run_env())
 
 
+@pytest.fixture(scope="module")
+def hf_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], list[str]]]:
+    """ExactResumeTrainer and the stock Trainer, one process each, side by side: (A's losses, B's losses)."""
+    def losses(stock: bool) -> tuple[list[str], list[str]]:
+        return _hf(tmp_path_factory.mktemp("stock" if stock else "exact"), *HF_ONE, "--max-steps", "8",
+                   stop=("--max-steps", "4"), resume=("--resume",), stock=stock)
+
+    exact, stock = together(lambda: losses(False), lambda: losses(True))
+    return {"exact": exact, "stock": stock}
+
+
 @pytest.mark.e2e
-def test_hf_one_process_resumes_bitwise(tmp_path: Path) -> None:
-    a, b = _hf(tmp_path, *HF_ONE, "--max-steps", "8", stop=("--max-steps", "4"), resume=("--resume",))
+def test_hf_one_process_resumes_bitwise(hf_one_process: dict[str, tuple[list[str], list[str]]]) -> None:
+    a, b = hf_one_process["exact"]
     assert len(a[0].splitlines()) == 8 and b == a
 
 
 @pytest.mark.e2e
-def test_hf_stock_trainer_differs(tmp_path: Path) -> None:
-    a, b = _hf(tmp_path, *HF_ONE, "--max-steps", "8", stop=("--max-steps", "4"), resume=("--resume",), stock=True)
+def test_hf_stock_trainer_differs(hf_one_process: dict[str, tuple[list[str], list[str]]]) -> None:
+    a, b = hf_one_process["stock"]
     assert a[0].splitlines()[:4] == b[0].splitlines()[:4] and b != a
 
 
