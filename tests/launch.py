@@ -66,7 +66,8 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
 def together(*jobs: Callable[[], Any]) -> list[Any]:
     """Run independent jobs (each a training run or a chain of them, in its own folders) all at once; their
     results in order, the first failure raised. A one-process run keeps one core busy: side by side they use
-    the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits."""
+    the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits.
+    Make their folders before (``tmp_path_factory.mktemp`` is not safe to call from several threads at once)."""
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = [pool.submit(job) for job in jobs]
     return [future.result() for future in futures]

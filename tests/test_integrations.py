@@ -53,9 +53,11 @@ def test_importing_the_package_imports_no_framework() -> None:
 @pytest.fixture(scope="module")
 def hf_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[str], list[str]]]:
     """ExactResumeTrainer and the stock Trainer, one process each, side by side: (A's losses, B's losses)."""
+    folders = {stock: tmp_path_factory.mktemp("stock" if stock else "exact") for stock in (False, True)}
+
     def losses(stock: bool) -> tuple[list[str], list[str]]:
-        return _hf(tmp_path_factory.mktemp("stock" if stock else "exact"), *HF_ONE, "--max-steps", "8",
-                   stop=("--max-steps", "4"), resume=("--resume",), stock=stock)
+        return _hf(folders[stock], *HF_ONE, "--max-steps", "8", stop=("--max-steps", "4"), resume=("--resume",),
+                   stock=stock)
 
     exact, stock = together(lambda: losses(False), lambda: losses(True))
     return {"exact": exact, "stock": stock}

@@ -29,66 +29,58 @@ CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", "5", "--lr_sched
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Uninterrupted runs, one per (config, num_workers), shared by the tests that need them."""
-    runs: dict[tuple[str, int], Path] = {}
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[tuple[str, int], Path]]:
+    """Per config, made all at once on first use and shared by the tests that need them: for 0 and 2 workers,
+    ("A", workers) uninterrupted, and ("B", workers) stopped exactly at an epoch boundary, resumed and stopped
+    mid-epoch, resumed to the end."""
+    made: dict[str, dict[tuple[str, int], Path]] = {}
 
-    def get(config: str, num_workers: int) -> Path:
-        if (config, num_workers) not in runs:
-            dump = tmp_path_factory.mktemp(f"{config}_A_w{num_workers}")
-            train(dump, *COMMON, "--training.steps", str(STEPS), "--data.num_workers", str(num_workers),
+    def uninterrupted(dump: Path, config: str, num_workers: int) -> None:
+        train(dump, *COMMON, "--training.steps", str(STEPS), "--data.num_workers", str(num_workers), config=config)
+
+    def resumed_twice(dump: Path, config: str, num_workers: int) -> None:
+        for stop in (BOUNDARY_STOP, MID_EPOCH_STOP, STEPS):
+            train(dump, *COMMON, *CHECKPOINTED, "--data.num_workers", str(num_workers), "--training.steps", str(stop),
                   config=config)
-            runs[config, num_workers] = dump
-        return runs[config, num_workers]
 
-    return get
-
-
-@pytest.fixture(scope="module")
-def resumed_twice(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, int], Path]:
-    """Runs stopped exactly at an epoch boundary, resumed and stopped mid-epoch, resumed to the end."""
-    runs: dict[tuple[str, int], Path] = {}
-
-    def get(config: str, num_workers: int) -> Path:
-        if (config, num_workers) not in runs:
-            dump = tmp_path_factory.mktemp(f"{config}_B_w{num_workers}")
-            for stop in (BOUNDARY_STOP, MID_EPOCH_STOP, STEPS):
-                train(dump, *COMMON, *CHECKPOINTED, "--data.num_workers", str(num_workers),
-                      "--training.steps", str(stop), config=config)
-            runs[config, num_workers] = dump
-        return runs[config, num_workers]
+    def get(config: str) -> dict[tuple[str, int], Path]:
+        if config not in made:
+            dumps = {(run, workers): tmp_path_factory.mktemp(f"{config}_{run}_w{workers}")
+                     for run in ("A", "B") for workers in (0, 2)}
+            together(*(lambda make=make, key=key: make(dumps[key], config, key[1])
+                       for key, make in ((key, uninterrupted if key[0] == "A" else resumed_twice) for key in dumps)))
+            made[config] = dumps
+        return made[config]
 
     return get
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_trainer_resumes_across_epochs(config: str, num_workers: int, uninterrupted: Callable[[str, int], Path],
-                                       resumed_twice: Callable[[str, int], Path]) -> None:
-    # This config's runs for both worker counts at once (the first of its two cases makes them).
-    together(*(lambda runs=runs, workers=workers: runs(config, workers)
-               for runs in (uninterrupted, resumed_twice) for workers in (0, 2)))
-    resumed = resumed_twice(config, num_workers)
-    result = compare(uninterrupted(config, num_workers), resumed)
+def test_trainer_resumes_across_epochs(config: str, num_workers: int,
+                                       runs: Callable[[str], dict[tuple[str, int], Path]]) -> None:
+    resumed = runs(config)["B", num_workers]
+    result = compare(runs(config)["A", num_workers], resumed)
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(resumed)) == list(range(1, STEPS + 1))
     assert {f"step-{BOUNDARY_STOP}", f"step-{MID_EPOCH_STOP}"} <= {p.name for p in (resumed / "checkpoint").iterdir()}
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_trainer_data_does_not_depend_on_workers(config: str, uninterrupted: Callable[[str, int], Path]) -> None:
-    result = compare(uninterrupted(config, 0), uninterrupted(config, 2))
+def test_trainer_data_does_not_depend_on_workers(config: str,
+                                                 runs: Callable[[str], dict[tuple[str, int], Path]]) -> None:
+    result = compare(runs(config)["A", 0], runs(config)["A", 2])
     assert result.returncode == 0, result.stdout
 
 
-def test_trainer_resumes_with_another_worker_count(tmp_path: Path, uninterrupted: Callable[[str, int], Path],
-                                                   resumed_twice: Callable[[str, int], Path]) -> None:
+def test_trainer_resumes_with_another_worker_count(tmp_path: Path,
+                                                   runs: Callable[[str], dict[tuple[str, int], Path]]) -> None:
     """Form 1: a checkpoint saved with no workers resumes exactly with two (Flux's data being form 1 is
     shown by the test above; the mechanism is the trainer's, the same for every spec)."""
     name = f"step-{BOUNDARY_STOP}"
-    shutil.copytree(resumed_twice("llama_debug", 0) / "checkpoint" / name, tmp_path / "checkpoint" / name)
+    shutil.copytree(runs("llama_debug")["B", 0] / "checkpoint" / name, tmp_path / "checkpoint" / name)
     train(tmp_path, *COMMON, *CHECKPOINTED, "--data.num_workers", "2")
-    result = compare(uninterrupted("llama_debug", 0), tmp_path, "--only-common-steps")
+    result = compare(runs("llama_debug")["A", 0], tmp_path, "--only-common-steps")
     assert result.returncode == 0, result.stdout
     assert sorted(read_loss_log(tmp_path)) == list(range(BOUNDARY_STOP + 1, STEPS + 1))
 
