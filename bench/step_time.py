@@ -8,7 +8,7 @@ the real trainer (its progress lines give the time per step), dataloader workers
 that drift in the machine's load hits both alike; the headline is the median over rounds of each round's
 on/off ratio of median step times.
 
-    python -m bench.step_time [--quick] [--workers N]
+    python -m bench.step_time [--quick] [--workers N] [--flavor bench] [TRAINER FLAGS, e.g. --compile.enable]
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> li
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0], workers=True)
-    args = args.parse_args()
+    args.add_argument("--flavor", default="debug", help="llama flavor (bench: ~110M parameters, ~440 MB)")
+    args, trainer_flags = args.parse_known_args()  # the rest goes to the trainer, on and off alike
     rounds, steps, log_freq = (5, 80, 10) if args.quick else (9, 200, 20)
-    common = ["--data.num_workers", str(args.workers)]
+    common = ["--data.num_workers", str(args.workers), "--model.flavor", args.flavor, *trainer_flags]
     times: dict[str, list[float]] = {"on": [], "off": []}
     round_ratios = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -59,7 +60,8 @@ def main() -> None:
     # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
     best = min(times["on"]) / min(times["off"])
     table(
-        f"Benchmark 1: training step time, resume features on vs off (llama debug, {args.workers} workers, "
+        f"Benchmark 1: training step time, resume features on vs off ({' '.join(['llama', args.flavor, *trainer_flags])}, "
+        f"{args.workers} workers, "
         f"{rounds} alternating rounds x {steps} steps, ms/step per progress line of {log_freq} steps)",
         ["features", "median ms/step", "fastest ms/step", "min..max"],
         [["on", f"{median(times['on']):.2f}", f"{min(times['on']):.2f}", spread(times["on"])],

@@ -7,7 +7,7 @@ a non-tensor value on load, whatever its size), and decoding only parses JSON an
 bytes. DCP itself wraps the bytes with ``torch.save``; ``checkpoint.SafeLoadPlanner`` reads them back
 with ``weights_only=True``, so loading never executes code.
 
-Layout: 8-byte little-endian header length, a JSON header, then the raw bytes of every tensor.
+Layout: 8-byte little-endian header length, a JSON header, then the raw bytes of every tensor and bytes value.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ def encode_state(obj: Any) -> bytes:
             return {"t": len(payload) - 1, "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
         if isinstance(item, np.ndarray):
             return to_json(torch.from_numpy(np.ascontiguousarray(item)))
+        if isinstance(item, bytes):
+            payload.append(item)
+            return {"b": len(payload) - 1}
         if isinstance(item, dict):
             return {"d": [[to_json(key), to_json(value)] for key, value in item.items()]}
         if isinstance(item, tuple):
@@ -67,6 +70,8 @@ def decode_state(raw: bytes) -> Any:
                 return {from_json(key): from_json(value) for key, value in item["d"]}
             if "tuple" in item:
                 return tuple(from_json(sub) for sub in item["tuple"])
+            if "b" in item:
+                return raw[offsets[item["b"]] : offsets[item["b"] + 1]]
             start, end = offsets[item["t"]], offsets[item["t"] + 1]
             dtype = _DTYPES[item["dtype"]]
             data = torch.frombuffer(bytearray(raw[start:end]), dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
