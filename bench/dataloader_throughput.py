@@ -82,9 +82,9 @@ def main() -> None:
                 "every 100 batches (checkpoint.interval 100)": 100}
     rates: dict[tuple[str, bool], list[float]] = {(name, on): [] for name in cadences for on in (True, False)}
     cpu: dict[tuple[str, bool], list[float]] = {(name, on): [] for name in cadences for on in (True, False)}
-    for _ in range(rounds):
+    for index in range(rounds):
         for name, every in cadences.items():
-            for capture in (True, False):
+            for capture in (True, False) if index % 2 == 0 else (False, True):  # neither always goes first
                 rate, cpu_ms = read_batches(dataset, capture, args.workers, batches, config.training.local_batch_size,
                                             every)
                 rates[name, capture].append(rate)
