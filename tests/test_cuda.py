@@ -28,3 +28,12 @@ def test_resume_on_cuda_is_exact_and_control_differs(config: str, tmp_path: Path
           "--checkpoint.load_step", "10", "--lr_scheduler.total_steps", "20", "--checkpoint.restore_rng", "false",
           *flags, config=config)
     assert compare(run_a, control, "--only-common-steps").returncode == 1
+
+
+def test_more_processes_than_devices_is_one_line(tmp_path: Path) -> None:
+    """Two ranks on one device would fail inside NCCL with a traceback; the run says what to change."""
+    count = device.device_module.device_count()
+    proc = train(tmp_path / "run", nproc=count + 1, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "each process needs a device of its own" in line]
+    assert lines and "Traceback" not in proc.stderr, proc.stderr

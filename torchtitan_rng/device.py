@@ -38,6 +38,20 @@ def device_for_rank(local_rank: int) -> torch.device:
     return torch.device(device_type, index)
 
 
+def too_many_processes(local_world_size: int) -> str | None:
+    """Why ``local_world_size`` processes on this node cannot each have an accelerator of their own, or None.
+
+    NCCL and XCCL refuse two ranks on one device (with a traceback, at the first collective).
+    """
+    if device_type not in ("cuda", "xpu") or device_module is None:
+        return None
+    count = device_module.device_count()
+    if local_world_size <= count:
+        return None
+    return (f"{local_world_size} processes on this node but {count} {device_type} device(s): each process needs a "
+            f"device of its own; start at most {count} (NGPU={count})")
+
+
 def distributed_backend() -> str:
     """The collective backend for this device type (gloo on the CPU)."""
     return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")

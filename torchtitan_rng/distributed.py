@@ -42,6 +42,9 @@ def init_distributed(config: JobConfig) -> World:
             f"config parallelism.data_parallel_shard_degree = {degree} does not match the {world_size} "
             "processes started; use -1 (all of them) or NGPU to change the process count"
         )
+    problem = device_lib.too_many_processes(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if problem is not None:
+        raise ConfigError(problem)
     device = device_lib.device_for_rank(local_rank)
     mesh = None
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():

@@ -4,8 +4,8 @@
 
 It runs torchrun in this process (this process *is* the torchrun parent) with three additions:
 
-* Bad input (config, the checkpoint to resume from, a process count that does not fit it) fails here, in
-  one line with exit 2, before any rank is started.
+* Bad input (config, the checkpoint to resume from, a process count that does not fit it or the node's
+  accelerators) fails here, in one line with exit 2, before any rank is started.
 * On one node it takes the dump folder's lock (run_lock.py) for the whole run and hands its token to the
   ranks; with several nodes rank 0 takes it instead.
 * torchrun forwards a signal it handles to every rank, waits for them, then reports failure even when all
@@ -28,6 +28,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from torchtitan_rng import device
 from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     single_node = args.nnodes == "1"
     try:
         config = parse_args(args.training_script_args)
+        if str(args.nproc_per_node).isdigit():
+            problem = device.too_many_processes(int(args.nproc_per_node))
+            if problem is not None:
+                raise ConfigError(problem)
         resumed = preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
