@@ -32,6 +32,7 @@ from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import CheckpointError, first_line
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
+from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.distributed import barrier
 
@@ -150,13 +151,13 @@ class CheckpointManager:
         planner = self.hooks.save_planner(step) if self.hooks else None
         self.last_saved_step = step
         if in_background:
-            future = dcp.async_save(dict(self.parts), checkpoint_id=str(partial), process_group=self._group(),
-                                    async_stager=self._staging(), planner=planner)
+            future = dcp.async_save(dict(self.parts), storage_writer=ChecksummedFileSystemWriter(partial),
+                                    process_group=self._group(), async_stager=self._staging(), planner=planner)
             self._pending = (step, future, started)
             self._say(f"checkpoint step-{step}: staged in {time.perf_counter() - started:.2f} s, writing in the "
                       "background")
             return layout.step_dir(self.folder, step)
-        dcp.save(dict(self.parts), checkpoint_id=str(partial), planner=planner)
+        dcp.save(dict(self.parts), storage_writer=ChecksummedFileSystemWriter(partial), planner=planner)
         self._hook("save_written", step)
         barrier()
         if self.rank == 0:
