@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,16 @@ def test_kill_between_two_log_flushes_loses_only_what_the_resume_redoes(tmp_path
     assert all(float_bits(resumed[step]["grad_norm"]) == float_bits(reference[step]["grad_norm"]) for step in reference)
 
 
+@pytest.fixture
+def sigint_raises_in_children() -> Iterator[None]:
+    """A suite started in the background ignores SIGINT, and so would the runs it starts (an ignored signal
+    stays ignored across exec); a handler of ours is reset to the default in a child instead."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises_in_children")
 def test_an_error_between_two_log_flushes_keeps_the_queued_steps(tmp_path: Path) -> None:
     """A run that fails with a Python error (here an interrupt before step 6) still writes the steps it
     finished since the last write, with their bits; the SIGKILL test above is the control (step 5 lost)."""
