@@ -4,6 +4,7 @@ cached gaussians included, also after a round trip through the checkpoint codec.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.data.worker_rng import _HEADER, _numpy_stream, capture_worker_rng, restore_worker_rng
+from torchtitan_rng.rng import preserved_global_rng
 
 
 def draws() -> bytes:
@@ -20,14 +22,17 @@ def draws() -> bytes:
 
 
 @pytest.fixture
-def cached_gaussians() -> None:
-    """Every stream somewhere past its seed, NumPy and Python each holding a cached gaussian."""
-    random.seed(1)
-    np.random.seed(2)
-    torch.manual_seed(3)
-    np.random.randn()  # an odd count of legacy gaussians leaves one cached
-    random.gauss(0, 1)  # Python caches the second value of its pair
-    torch.rand(5)
+def cached_gaussians() -> Iterator[None]:
+    """Every stream somewhere past its seed, NumPy and Python each holding a cached gaussian (the test
+    process's streams are put back afterwards)."""
+    with preserved_global_rng(torch.device("cpu")):
+        random.seed(1)
+        np.random.seed(2)
+        torch.manual_seed(3)
+        np.random.randn()  # an odd count of legacy gaussians leaves one cached
+        random.gauss(0, 1)  # Python caches the second value of its pair
+        torch.rand(5)
+        yield
 
 
 def without_cached_gaussians(packed: bytes) -> bytes:
@@ -70,6 +75,13 @@ def test_the_codec_keeps_bytes_beside_tensors() -> None:
 def test_numpy_reading_matches_get_state_through_every_kind_of_move() -> None:
     """The fast reading of NumPy's global stream (C state and cached gaussian) is what get_state() says,
     after draws, odd and even gaussians, seeding and set_state with a cached gaussian."""
+    with preserved_global_rng(torch.device("cpu")):
+        readings = _readings_after_moves()
+    assert _numpy_stream.fast  # the fast path ran here, not the fallback
+    assert len(set(readings)) > 5  # the moves changed what was read (the comparison can fail)
+
+
+def _readings_after_moves() -> list[tuple[bytes, int, int, float]]:
     stream = _numpy_stream
     moves = [lambda: np.random.rand(700), lambda: np.random.randn(), lambda: np.random.randn(2),
              lambda: np.random.seed(5),
@@ -79,5 +91,4 @@ def test_numpy_reading_matches_get_state_through_every_kind_of_move() -> None:
         move()
         readings.append(stream.read())
         assert readings[-1] == stream._slow(np.random.mtrand._rand)
-    assert stream.fast  # the fast path ran here, not the fallback
-    assert len(set(readings)) > 5  # the moves changed what was read (the comparison can fail)
+    return readings
