@@ -53,22 +53,22 @@ class _NumpyGlobalStream:
 
     def __init__(self) -> None:
         self.gauss_offsets: tuple[int, int] | None = None
-        self.checked = False
-        self.fast = False
+        self.fast: bool | None = None  # None until checked, once per process
 
     @staticmethod
     def _memory(state: np.random.RandomState) -> bytes:
         return ctypes.string_at(id(state), type(state).__basicsize__)
 
-    def _marked(self, has_gauss: int, gauss: float) -> tuple[np.random.RandomState, bytes]:
+    @staticmethod
+    def _marked(has_gauss: int, gauss: float) -> np.random.RandomState:
         state = np.random.RandomState(0)
         state.set_state(("MT19937", state.get_state()[1], 624, has_gauss, gauss))
-        return state, self._memory(state)
+        return state
 
     def _find_gauss_offsets(self) -> tuple[int, int] | None:
         """(flag offset, value offset) of the cached gaussian in a RandomState, if marked objects show them."""
-        _, plain = self._marked(0, 0.0)
-        _, marked = self._marked(1, self._MARKS[0])
+        plain = self._memory(self._marked(0, 0.0))
+        marked = self._memory(self._marked(1, self._MARKS[0]))
         at = marked.find(struct.pack("<d", self._MARKS[0]))
         flags = [offset for offset in range(0, max(at, 0), 4)
                  if plain[offset:offset + 4] == b"\0\0\0\0" and marked[offset:offset + 4] == b"\1\0\0\0"]
@@ -83,13 +83,12 @@ class _NumpyGlobalStream:
         (gauss,) = struct.unpack_from("<d", memory, gauss_at)
         return c_state[:-4], struct.unpack("<i", c_state[-4:])[0], has_gauss, gauss
 
-    def _check(self) -> None:
-        self.checked = True
+    def _check(self) -> bool:
         self.gauss_offsets = self._find_gauss_offsets()
         if self.gauss_offsets is None:
-            return
-        samples = [self._marked(1, self._MARKS[1])[0], np.random.RandomState(1), np.random.mtrand._rand]
-        self.fast = all(self._read_fast(state) == self._slow(state) for state in samples)
+            return False
+        samples = [self._marked(1, self._MARKS[1]), np.random.RandomState(1), np.random.mtrand._rand]
+        return all(self._read_fast(state) == self._slow(state) for state in samples)
 
     @staticmethod
     def _slow(state: np.random.RandomState) -> tuple[bytes, int, int, float]:
@@ -98,8 +97,8 @@ class _NumpyGlobalStream:
 
     def read(self) -> tuple[bytes, int, int, float]:
         """(keys as little-endian uint32 bytes, position, has-gauss flag, cached gaussian)."""
-        if not self.checked:
-            self._check()
+        if self.fast is None:
+            self.fast = self._check()
         state = np.random.mtrand._rand
         return self._read_fast(state) if self.fast else self._slow(state)
 
