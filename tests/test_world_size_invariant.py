@@ -190,3 +190,21 @@ def test_launcher_refuses_a_process_count_that_does_not_split_the_step(tmp_path:
     proc = train(tmp_path, *INVARIANT, "--training.global_batch_size", "24", nproc=2, check=False)
     assert_refused(proc, "power-of-two number of processes that divides the 3 micro-batches")
     assert not (tmp_path / "loss_log.jsonl").exists()
+
+
+@pytest.mark.e2e
+def test_bf16_compile_and_ac_same_bits_at_1_and_2_processes(tmp_path: Path) -> None:
+    """The mode with the features of real runs: bf16 (autocast on every process: nothing shards, so nothing
+    casts the parameters), torch.compile and selective activation checkpointing. Control: the same run in
+    float32 differs, so bf16 was applied and not silently dropped."""
+    features = ("--training.mixed_precision_param", "bfloat16", "--compile.enable",
+                "--activation_checkpoint.mode", "selective")
+    dumps = {name: tmp_path / name for name in ("one", "two", "float32")}
+    together(lambda: _run(dumps["one"], "llama_debug", 1, *features),
+             lambda: _run(dumps["two"], "llama_debug", 2, *features),
+             lambda: _run(dumps["float32"], "llama_debug", 1, *features[2:]))
+    result = compare(dumps["one"], dumps["two"])
+    assert result.returncode == 0, result.stdout
+    assert sorted(read_loss_log(dumps["two"])) == list(range(1, STEPS + 1))
+    control = compare(dumps["one"], dumps["float32"])
+    assert control.returncode == 1 and control.stdout.startswith("first differing step 1:"), control.stdout

@@ -105,9 +105,10 @@ def fsdp_mixed_precision(config: JobConfig) -> MixedPrecisionPolicy:
                                 reduce_dtype=_DTYPES[config.training.mixed_precision_reduce])
 
 
-def autocast_context(config: JobConfig, device: torch.device, world_size: int) -> Callable[[], ContextManager]:
-    """One process has no FSDP to cast parameters: bf16 compute there is autocast around forward and loss."""
+def autocast_context(config: JobConfig, device: torch.device, sharded: bool) -> Callable[[], ContextManager]:
+    """Without FSDP (one process, or the world-size-invariant mode's replicated parameters) nothing casts the
+    parameters: bf16 compute there is autocast around forward and loss."""
     dtype = _DTYPES[config.training.mixed_precision_param]
-    if world_size > 1 or dtype == torch.float32:
+    if sharded or dtype == torch.float32:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)

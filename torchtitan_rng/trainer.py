@@ -108,10 +108,11 @@ class Trainer:
         self.param_count = sum(p.numel() for p in model.parameters())
         parallelize.apply_activation_checkpointing(model, spec, config)
         parallelize.apply_compile(model, spec, config)
-        if world.world_size > 1 and not invariant:  # the invariant mode replicates parameters
+        sharded = world.world_size > 1 and not invariant  # the invariant mode replicates parameters
+        if sharded:
             spec.apply_fsdp(model, world.mesh, parallelize.fsdp_mixed_precision(config))
         self.loss_fn = parallelize.compiled_loss(spec.loss_fn, model, config)
-        self.compute_context = parallelize.autocast_context(config, world.device, world.world_size)
+        self.compute_context = parallelize.autocast_context(config, world.device, sharded)
         model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, config)
@@ -269,7 +270,7 @@ class Trainer:
         if self.layout is not None:  # its loss is the same tree sum on every rank
             loss = invariant_step.forward_backward(self.model, self.params,
                                                    lambda: to_device(next(batches), self.world.device),
-                                                   self.spec.loss_fn, config, self.layout, step)
+                                                   self.loss_fn, config, self.layout, step, self.compute_context)
         else:
             loss = mean_over_ranks(forward_backward(self.model, batches, self.loss_fn, config, self.accumulation,
                                                     self.world.device, self.compute_context))
