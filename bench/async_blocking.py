@@ -1,7 +1,7 @@
 """Benchmark 3: how long a checkpoint save blocks the training loop, async vs. sync, for a model of
 >= 100 MB (target: async <= 0.2x sync).
 
-The llama "bench" flavor (~110M parameters, ~0.4 GB of weights, ~1.3 GB with AdamW's state) after a real
+The llama "bench" flavor (85M parameters, 0.34 GB of weights, 1.0 GB with AdamW's state) after a real
 training step. Blocked time is the time ``save()`` takes to return: sync writes everything; async copies
 the state (staging) and returns while DCP writes in the background. The background write time is shown
 too: a checkpoint interval whose steps take longer than it never waits for the previous save. The first
@@ -22,7 +22,7 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0])
-    args.add_argument("--flavor", default="bench", help="llama flavor (default bench, ~110M parameters)")
+    args.add_argument("--flavor", default="bench", help="llama flavor (default bench, 85M parameters)")
     args = args.parse_args()
     repeats = 4 if args.quick else 8
     run = build_run(config_for("--model.flavor", args.flavor, "--training.local_batch_size", "1"), steps=1)

@@ -4,11 +4,12 @@ ratio on/off <= 1.01).
 On (the defaults): dataloader state snapshots every checkpoint.interval steps, worker RNG capture, the
 stop-signal vote at every step. Off: snapshots every 10^9 steps, no worker RNG capture, no signals. Both:
 the real trainer (its progress lines give the time per step), dataloader workers, the same
-``metrics.log_freq``, no checkpoint saves (benchmarks 2 and 3 time those). The runs alternate on/off so
-that drift in the machine's load hits both alike; the headline is the median over rounds of each round's
-on/off ratio of median step times.
+``metrics.log_freq``, no checkpoint saves (benchmarks 2 and 3 time those). The runs alternate on/off, each
+round swapping which goes first, so that drift in the machine's load hits both alike; the headline is the
+median over rounds of each round's on/off ratio of median step times.
 
-    python -m bench.step_time [--quick] [--workers N] [--flavor bench] [TRAINER FLAGS, e.g. --compile.enable]
+    python -m bench.step_time [--quick] [--workers N] [--flavor bench] [--rounds R --steps S --log-freq F]
+        [TRAINER FLAGS, e.g. --compile.enable]
 """
 
 from __future__ import annotations
@@ -44,16 +45,27 @@ def step_times(overrides: list[str], steps: int, log_freq: int, dump: str) -> li
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0], workers=True)
-    args.add_argument("--flavor", default="debug", help="llama flavor (bench: ~110M parameters, ~440 MB)")
+    args.add_argument("--flavor", default="debug", help="llama flavor (bench: 85M parameters, 341 MB)")
+    args.add_argument("--rounds", type=int, help="alternating on/off rounds (default 9; --quick 5)")
+    args.add_argument("--steps", type=int, help="steps per run (default 200; --quick 80)")
+    args.add_argument("--log-freq", type=int, help="metrics.log_freq: steps per timed interval (default 20; "
+                                                   "--quick 10); the first interval of a run is not timed")
     args, trainer_flags = args.parse_known_args()  # the rest goes to the trainer, on and off alike
-    rounds, steps, log_freq = (5, 80, 10) if args.quick else (9, 200, 20)
+    defaults = (5, 80, 10) if args.quick else (9, 200, 20)
+    rounds, steps, log_freq = (given or default for given, default in zip((args.rounds, args.steps, args.log_freq),
+                                                                         defaults))
+    if steps < 2 * log_freq:
+        raise SystemExit(f"--steps {steps} gives no timed interval: it must be at least 2 x --log-freq ({log_freq})")
     common = ["--data.num_workers", str(args.workers), "--model.flavor", args.flavor, *trainer_flags]
     times: dict[str, list[float]] = {"on": [], "off": []}
     round_ratios = []
     with tempfile.TemporaryDirectory() as scratch:
         for index in range(rounds):
-            on = step_times(common, steps, log_freq, f"{scratch}/on{index}")
-            off = step_times([*common, *FEATURES_OFF], steps, log_freq, f"{scratch}/off{index}")
+            timed: dict[str, list[float]] = {}
+            for name in ("on", "off") if index % 2 == 0 else ("off", "on"):  # neither always goes first
+                overrides = common if name == "on" else [*common, *FEATURES_OFF]
+                timed[name] = step_times(overrides, steps, log_freq, f"{scratch}/{name}{index}")
+            on, off = timed["on"], timed["off"]
             times["on"] += on
             times["off"] += off
             round_ratios.append(median(on) / median(off))

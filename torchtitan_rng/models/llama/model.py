@@ -24,7 +24,7 @@ class LlamaArgs:
 FLAVORS: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(),
     "small": LlamaArgs(dim=256, n_layers=4, n_heads=8, hidden_dim=688),
-    # ~110M parameters: used by the checkpoint benchmarks that need a large model.
+    # 85M parameters with a byte-level vocabulary (341 MB in float32): the benchmarks that need a large model.
     "bench": LlamaArgs(dim=768, n_layers=12, n_heads=12, hidden_dim=2048, dropout=0.0),
 }
 
