@@ -4,6 +4,8 @@ an in-process resume through ExactResume and build_dataloader."""
 from __future__ import annotations
 
 import ast
+import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +89,35 @@ def test_in_process_resume_restores_streams_position_and_worker_rng(tmp_path: Pa
         assert exact.restore_rng() is True
         assert torch.equal(next(batches), expected_batch)
         assert torch.equal(torch.rand(4), expected_draw)
+
+
+def _workers_of_a_dropped_loop(folder: Path) -> list[int]:
+    """A loop that iterates a 2-worker loader and returns without close(): its workers' pids."""
+    model = nn.Linear(2, 2)
+    loader = torchtitan_rng.build_dataloader(GlobalNoise(), batch_size=2, seed=0, num_workers=2)
+    exact = torchtitan_rng.ExactResume(folder, model=model, dataloader=loader, interval=100, seed=0)
+    exact.load()
+    batches = iter(loader)
+    next(batches)
+    return [worker.pid for worker in batches.inner._workers]
+
+
+def test_loop_dropped_without_close_ends_its_workers_at_once(tmp_path: Path) -> None:
+    """Nothing holds the loop in a reference cycle: dropped, its workers end then and there. Left to the cyclic
+    collector, they would outlive it and then wait out a 5 s timeout each."""
+    gc.disable()  # only reference counting frees the loop
+    try:
+        pids = _workers_of_a_dropped_loop(tmp_path)
+        alive = [pid for pid in pids if _exists(pid)]
+    finally:
+        gc.enable()
+    assert len(pids) == 2 and alive == []
+
+
+def _exists(pid: int) -> bool:
+    """Whether the process is still there (a worker that was joined is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

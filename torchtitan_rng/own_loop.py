@@ -192,6 +192,20 @@ def _shut_down_at_exit(dataloader: weakref.ref[ResumableDataLoader] | None) -> N
         shutdown_workers(loader)
 
 
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference. The loader holds it: a strong one would make the loader and
+    this object a cycle, left to the cyclic collector, which closes the worker queues' feeder threads before
+    the iterator's shutdown sends its stop messages through them (each worker then waits out a 5 s timeout)."""
+    weak = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = weak()
+        if bound is not None:
+            bound()
+
+    return call
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
@@ -264,13 +278,13 @@ class ExactResume:
         self._load_called = False
         self._step_at_load = 0
         if dataloader is not None:
-            dataloader.before_iter = self._refuse_iter_before_load
+            dataloader.before_iter = _weakly(self._refuse_iter_before_load)
             if dataloader.snapshot_follows_saves:  # no iterator yet (before_iter refuses one): it takes this
                 dataloader.snapshot_every_n_steps = interval
         if stop_signals:
             # Before iter(dataloader) forks the workers: they learn which signals to ignore.
             preemption.install(tuple(stop_signals))
-        # Weak: the loader refers to this object (before_iter), which must stay collectable.
+        # The loader weakly: the finalizer alone must not keep it, and its workers, alive.
         self._at_exit = weakref.finalize(self, _shut_down_at_exit,
                                          weakref.ref(dataloader) if dataloader is not None else None)
 
