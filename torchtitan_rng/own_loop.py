@@ -242,7 +242,8 @@ class ExactResume:
     except the loader's workers (the loader has its own policy, ``on_num_workers_change``).
 
     Use it as a context manager (or call :meth:`close`): the loader's workers end and saves are finished
-    before the process group goes. Without either, the workers are still shut down at interpreter exit.
+    before the process group goes. Without either, the workers end when this object is dropped, or at
+    interpreter exit.
     """
 
     def __init__(self, folder: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
