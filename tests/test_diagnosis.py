@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from checks import assert_refused
 from launch import REPO, compare, run_env, together, train
 from torchtitan_rng.diagnosis.divergence import diagnose
 from torchtitan_rng.loss_log import read_loss_log
@@ -134,6 +135,10 @@ VERIFIED = {  # the checks of verify_resume below, by name: its arguments
     "flux_debug": ("--config", "train_configs/flux_debug.toml", "--steps", "8", "--stop-at", "4"),
     "without_rng_restore": ("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4",
                             "--checkpoint.restore_rng", "false"),
+    # Nothing random is carried from step to step there: the resume restores no stream, and must still PASS.
+    "world_size_invariant": ("--config", "train_configs/llama_debug.toml", "--steps", "8", "--stop-at", "4",
+                             "--parallelism.world_size_invariant", "--training.global_batch_size", "16",
+                             "--data.num_workers", "2"),
 }
 
 
@@ -145,7 +150,7 @@ def verified() -> dict[str, subprocess.CompletedProcess]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("config", ["llama_debug", "flux_debug"])
+@pytest.mark.parametrize("config", ["llama_debug", "flux_debug", "world_size_invariant"])
 def test_verify_resume_passes(verified: dict[str, subprocess.CompletedProcess], config: str) -> None:
     proc = verified[config]
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -161,6 +166,23 @@ def test_verify_resume_fails_without_rng_restore(verified: dict[str, subprocess.
     assert "random streams first differ entering step 5:" in out
     # Without the restore, the resumed run starts from the fresh seed: the diagnosis says so.
     assert re.search(r"stream torch_cpu on rank 0 \(A \w+, B \w+\): B holds the state A had entering step 1$", out, re.M), out
+
+
+@pytest.mark.e2e
+def test_invariant_mode_names_a_skipped_batch_and_refuses_disturbing_a_stream(tmp_path: Path) -> None:
+    """World-size-invariant training seeds the streams per micro-batch: its fingerprints are the streams of
+    the step's first micro-batch and the batch sampler's position. A skipped batch is still named; disturbing
+    a global stream entering a step would change nothing, and is refused in one line."""
+    common = ("--parallelism.world_size_invariant", "--training.global_batch_size", "16", "--data.num_workers", "2",
+              "--training.steps", "4", "--debug.rng_fingerprint")
+    reference, skipped = tmp_path / "A", tmp_path / "skipped"
+    together(lambda: train(reference, *common),
+             lambda: train(skipped, *common, "--debug.perturb_rng", "dataloader:0:3"))
+    lines = compare(reference, skipped).stdout.splitlines()
+    assert lines[0].startswith("first differing step 3:") and lines[1] == "random streams first differ entering step 3:"
+    assert [line for line in lines if line.startswith("  stream ")][0].startswith("  stream dataloader on rank 0 (")
+    refused = train(tmp_path / "stream", *common, "--debug.perturb_rng", "torch_cpu:0:3", check=False)
+    assert_refused(refused, "every micro-batch seeds the streams anew, so it would change nothing")
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,11 @@ run that is the state just restored, so a comparison with an uninterrupted run s
 was exact, stream by stream and rank by rank. Every rank's fingerprints are gathered to rank 0 (one
 collective per step, only when the option is on) and written into its loss-log line as
 ``"rng_fingerprint": [{stream: hash} for each rank]``.
+
+In world-size-invariant training no stream is carried from step to step: every micro-batch seeds them
+from ``(seed, step, slot)``. There the streams are fingerprinted as this rank's first micro-batch of the
+step will have them, and the data as its batch sampler's position (the rest of the loader's state is not
+restored in that mode, so it is not compared).
 """
 
 from __future__ import annotations
@@ -19,20 +24,38 @@ import torch.distributed as dist
 
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, JobConfig, parse_perturb_rng
+from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.diagnosis.divergence import FINGERPRINT_KEY
-from torchtitan_rng.rng import capture_global_rng, fingerprint, registered_generators
+from torchtitan_rng.rng import (capture_global_rng, fingerprint, preserved_global_rng, registered_generators,
+                                seed_micro_batch_streams)
 
 
 def stream_fingerprints(device: torch.device, dataloader: Stateful) -> dict[str, str]:
     """A short hash of each random stream of this rank, as it stands now (drawing nothing from any)."""
+    prints = _global_stream_prints(device)
+    # The sampler position, worker seeds and whatever else the loader carries across a resume.
+    prints["dataloader"] = fingerprint(dataloader.state_dict())
+    return prints
+
+
+def invariant_fingerprints(device: torch.device, seed: int, step: int, slot: int,
+                           sampler: GlobalBatchSampler) -> dict[str, str]:
+    """World-size-invariant training: the streams as micro-batch ``slot`` of ``step`` is seeded with (no
+    stream of the run moves), and the sampler's position."""
+    with preserved_global_rng(device):
+        seed_micro_batch_streams(seed, step, slot)
+        prints = _global_stream_prints(device)
+    prints["dataloader"] = fingerprint(sampler.state_dict())
+    return prints
+
+
+def _global_stream_prints(device: torch.device) -> dict[str, str]:
     state = capture_global_rng(device)
     prints = {name: fingerprint(state[name]) for name in ("python", "numpy", "torch_cpu")}
     if state["device"] is not None:  # on the CPU the device stream is torch_cpu
         prints["device"] = fingerprint(state["device"])
     for name, gen_state in state["registered"].items():
         prints[f"registered.{name}"] = fingerprint(gen_state)
-    # The sampler position, worker seeds and whatever else the loader carries across a resume.
-    prints["dataloader"] = fingerprint(dataloader.state_dict())
     return prints
 
 
@@ -48,15 +71,23 @@ class StreamProbe:
     """Called entering every step; costs one ``if`` per step when both options are off."""
 
     def __init__(self, config: JobConfig, *, rank: int, world_size: int, device: torch.device,
-                 dataloader: Stateful) -> None:
+                 dataloader: Stateful, invariant: tuple[GlobalBatchSampler, int] | None = None) -> None:
+        """``invariant``: in world-size-invariant training, the batch sampler and this rank's first micro-batch
+        slot of a step."""
         self.enabled = config.debug.rng_fingerprint
         self.rank = rank
         self.device = device
         self.dataloader = dataloader
+        self.seed = config.debug.seed
+        self.invariant = invariant
         self.perturb: tuple[str, int, int] | None = None
         if config.debug.perturb_rng:
             stream, perturb_rank, step = parse_perturb_rng(config.debug.perturb_rng)
             _check_stream_exists(stream, perturb_rank, world_size, device)
+            if invariant is not None and stream != "dataloader":
+                raise ConfigError(f"config debug.perturb_rng disturbs the {stream} stream entering a step, but with "
+                                  "parallelism.world_size_invariant every micro-batch seeds the streams anew, so it "
+                                  "would change nothing; perturb the dataloader instead")
             self.perturb = (stream, perturb_rank, step)
 
     def at_boundary(self, step: int, data_iter: Iterator[Any]) -> dict[str, Any]:
@@ -65,7 +96,12 @@ class StreamProbe:
             _disturb(self.perturb[0], self.device, data_iter)
         if not self.enabled:
             return {}
-        gathered = _gather(stream_fingerprints(self.device, self.dataloader))
+        if self.invariant is None:
+            prints = stream_fingerprints(self.device, self.dataloader)
+        else:
+            sampler, first_slot = self.invariant
+            prints = invariant_fingerprints(self.device, self.seed, step, first_slot, sampler)
+        gathered = _gather(prints)
         return {FINGERPRINT_KEY: gathered} if self.rank == 0 else {}
 
 
