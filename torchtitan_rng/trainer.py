@@ -143,8 +143,8 @@ class Trainer:
         # Its workers go before the process group does (docs/design.md, "Teardown order").
         self._closing.callback(lambda: shutdown_workers(self.dataloader))
         self.probe = StreamProbe(config, rank=world.rank, world_size=world.world_size, device=world.device,
-                                 dataloader=self.dataloader,
-                                 invariant=(self.dataloader.batch_sampler, self.layout.first_slot) if self.layout else None)
+                                 dataloader=self.dataloader, invariant=(
+                                     (self.dataloader.batch_sampler, self.layout.first_slot) if self.layout else None))
         # The step lives here: the checkpointer saves it, the loop advances it.
         self.train_state = TrainState(world.device, world.rank, world.world_size)
         self.faults = FaultInjector.from_env(world.rank)

@@ -8,7 +8,6 @@ Every rank ends with identical full gradients and the same loss, bit for bit.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -55,9 +54,10 @@ def _unflatten_into_grads(params: list[nn.Parameter], total: torch.Tensor) -> No
 def forward_backward(model: nn.Module, params: list[nn.Parameter], next_batch: Callable[[], Batch],
                      loss_fn: Callable[[nn.Module, Batch, JobConfig], torch.Tensor], config: JobConfig,
                      layout: Layout, step: int,
-                     compute_context: Callable[[], ContextManager] = nullcontext) -> torch.Tensor:
+                     compute_context: Callable[[], ContextManager]) -> torch.Tensor:
     """Run this rank's micro-batches of ``step``, leave the mean gradient over all ``layout.micro_batches``
-    in ``p.grad`` of every parameter and return the mean loss (identical on every rank)."""
+    in ``p.grad`` of every parameter and return the mean loss (identical on every rank). ``compute_context``:
+    entered around each micro-batch's forward and loss (the trainer's autocast, or a null context)."""
 
     def micro_batch(slot: int) -> torch.Tensor:
         batch = next_batch()
