@@ -9,6 +9,7 @@ the result is handed to the load, which does not read it again.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -47,17 +48,39 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
+def _metadata_enum_member(cls: Any, name: Any) -> Any:
+    """The one use of ``getattr`` in DCP metadata: an enum member by its name. Python 3.11.2 (Debian 12) and
+    3.12+ pickle an enum member as ``getattr(cls, name)``, other versions as ``cls(value)``; both must load."""
+    if not (isinstance(cls, type) and cls in _MetadataUnpickler.enums() and isinstance(name, str)
+            and name in cls.__members__):
+        raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not "
+                                     "part of DCP metadata")
+    return cls.__members__[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Accepts only the classes a DCP metadata file is made of."""
+    """Accepts only the classes a DCP metadata file is made of, and ``getattr`` only as a member of one of
+    their enums by name."""
 
     _METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # plain dataclasses and enums only
     _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
                 ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+    # Protocols 0-2 name the builtins module as Python 2 did; the default find_class maps it, ours sees it raw.
+    _GETATTR = {("builtins", "getattr"), ("__builtin__", "getattr")}
+
+    @classmethod
+    def enums(cls) -> frozenset[type]:
+        """Every enum class defined in DCP's metadata module."""
+        module = sys.modules[cls._METADATA_MODULE]
+        return frozenset(value for value in vars(module).values()
+                         if isinstance(value, type) and issubclass(value, enum.Enum))
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
+        if (module, name) in self._GETATTR:
+            return _metadata_enum_member
         if module in ("torch", self._METADATA_MODULE):
             found = getattr(torch if module == "torch" else sys.modules[module], name, None)
             if isinstance(found, torch.dtype) or (module == self._METADATA_MODULE and isinstance(found, type)):
