@@ -146,13 +146,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # The plug-in's checkpoint at the stop, resumed by the restore-at-load control and by stock torchtitan.
     _copy_checkpoint(dumps["stopped"], dumps["at_load"], STOP)
     _copy_checkpoint(dumps["stopped"], dumps["plugin_ckpt"], STOP)
-    together(lambda: _train(assets, dumps["stopped"], STEPS, *plugin),
+    together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
              lambda: _train(assets, dumps["stock"], STOP))
     _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
     together(lambda: _train(assets, dumps["stock"], STEPS),
              lambda: keep("signalled", _signalled_run(assets, dumps["signalled"])))
     together(lambda: _train(assets, dumps["signalled"], STEPS, *plugin),
-             lambda: _train(assets, dumps["at_load"], STEPS, *at_load))
+             # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
+             lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq", "49")))
     together(lambda: keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin)),
              lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)))
     (root / "outputs.json").write_text(json.dumps(outputs))
@@ -190,6 +191,25 @@ def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) ->
         result = compare(runs["full"], runs[control])
         assert result.returncode == 1, f"{control}: {result.stdout}{result.stderr}"
         assert f"first differing step {STOP + 1}:" in result.stdout, f"{control} should first differ at the first resumed step\n{result.stdout}"
+
+
+def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:
+    outputs = _outputs(runs)
+    drift = [line for line in outputs["at_load"].splitlines() if "WARNING: torchtitan_rng: training." in line]
+    assert len(drift) == 1 and "training.gc_freq = 49 but the checkpoint was trained with 50" in drift[0], drift
+    # The end-of-steps resume changes training.steps, which the flat schedule does not depend on: no line.
+    assert "WARNING: torchtitan_rng" not in outputs["stopped"]
+
+
+def test_config_drift_names_the_lr_horizon_only_where_the_schedule_uses_it() -> None:
+    from torchtitan_rng.integrations.torchtitan import config_drift
+
+    saved = {"training.steps": 10, "lr_scheduler.decay_ratio": 0.8, "checkpoint.interval": 5, "training.seed": 1}
+    assert config_drift(saved, dict(saved)) == []
+    [line] = config_drift(saved, dict(saved, **{"training.steps": 20, "checkpoint.interval": 2}))
+    assert line.startswith("training.steps = 20 but the checkpoint was trained with 10")
+    flat = dict(saved, **{"lr_scheduler.decay_ratio": 0})
+    assert config_drift(flat, dict(flat, **{"training.steps": 20})) == []
 
 
 def test_stock_checkpoint_resumes_with_one_warning(runs: dict[str, Path]) -> None:

@@ -17,6 +17,9 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * validation under preserved streams (the trainer's validator, wrapped the same way when it is enabled);
 * a stop signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary (one CPU all-reduce, read a step
   later), save a full checkpoint at that step, and the loop ends there: the run exits 0;
+* the run record of this project (``run.json``: every resolved config key and the versions) in every
+  checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
+  WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
 * a checkpoint without streams (saved by stock torchtitan, or by another number of processes) resumes with
   one WARNING line and fresh streams; a checkpoint of the plug-in resumes in stock torchtitan, which does not
   ask DCP for the extra key.
@@ -32,8 +35,11 @@ It also provides ``torch.distributed.set_timeout`` where torch lacks it (torch 2
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
@@ -43,6 +49,7 @@ from torchtitan.config.override import derive, override
 from torchtitan.tools.logging import logger
 
 from torchtitan_rng.checkpoint.layout import rank_key
+from torchtitan_rng.checkpoint.run_record import make_record, read_record, write_record
 from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
@@ -70,6 +77,49 @@ def provide_set_timeout() -> None:
 
 
 provide_set_timeout()
+
+
+# Config keys (``section.key`` or whole sections, ``section.*``) that cannot change the losses a resume trains:
+# where and how often to save or log, timeouts, what runs inside preserved streams, how the config was given.
+QUIET_KEYS = ("checkpoint.*", "metrics.*", "profiler.*", "comm.*", "validator.*", "override.*", "dump_folder",
+              "debug.print_config", "debug.save_config_file", "training.steps")
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # reprs of functions in the config differ between processes
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """Every key of a torchtitan config as ``section.key`` (nested: ``a.b.c``), as JSON values."""
+    values: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                values[prefix + key] = value
+
+    walk(json.loads(_ADDRESS.sub("", json.dumps(config.to_dict(), default=repr))), "")
+    return values
+
+
+def _horizon_matters(values: dict[str, Any]) -> bool:
+    """Whether the learning-rate schedule depends on ``training.steps`` (a decay spread over the run)."""
+    return values.get("lr_scheduler.decay_ratio") != 0
+
+
+def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per key that differs and can change the losses (``QUIET_KEYS`` and keys one side lacks
+    are not compared; ``training.steps`` only where the schedule's decay depends on it)."""
+    def quiet(key: str) -> bool:
+        return key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
+
+    lines = [f"{key} = {current[key]!r} but the checkpoint was trained with {saved[key]!r}"
+             for key in sorted(set(saved) & set(current)) if not quiet(key) and saved[key] != current[key]]
+    steps = "training.steps"
+    if saved.get(steps) != current.get(steps) and _horizon_matters(current):
+        lines.append(f"{steps} = {current.get(steps)!r} but the checkpoint was trained with {saved.get(steps)!r}, "
+                     "and the learning-rate decay is spread over training.steps (stop by signal, or set "
+                     "--lr_scheduler.decay_ratio 0, to stop early exactly)")
+    return lines
 
 
 class _RestoreAfterIter:
@@ -161,6 +211,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                  from_quantized: bool) -> None:
         if STREAMS_PART in state_dict and not from_hf:
+            self._check_drift(Path(checkpoint_id))
             mine = f"{STREAMS_PART}.{rank_key(self.streams.rank)}"
             keys = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
             if mine not in keys:  # DCP raises on a key the checkpoint lacks: load without it
@@ -168,6 +219,14 @@ class ExactResumeCheckpointManager(CheckpointManager):
                 if self.streams.rank == 0:
                     logger.warning(self._no_streams_reason(checkpoint_id, keys))
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def _check_drift(self, checkpoint: Path) -> None:
+        """Name every changed key that can change the losses (rank 0; a checkpoint without a record has none)."""
+        saved = read_record(checkpoint)
+        if saved is None or self.streams.rank != 0:
+            return
+        for line in config_drift(saved["config"], config_values(self.trainer.config)):
+            logger.warning(f"WARNING: torchtitan_rng: {line}: this resume is no longer the run that was stopped")
 
     def _no_streams_reason(self, checkpoint_id: str, keys: Any) -> str:
         saved = sum(1 for key in keys if key.startswith(f"{STREAMS_PART}.rank_"))
@@ -184,13 +243,24 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self.streams.step = curr_step
         assert self.vote is not None
         if not self.vote.poll(preemption.received() is not None):
+            self._write_record(curr_step, last_step)
             return super()._save(curr_step, last_step)
         self._stop_step = curr_step
+        self._write_record(curr_step, False)
         saved = super()._save(curr_step, last_step=False)  # last_step would save the model only by default
         self.maybe_wait_for_saving()
         logger.info(f"torchtitan_rng: stop signal: saved a full checkpoint at step {curr_step}; stopping")
         self.trainer.config.training.steps = curr_step  # the loop ends after this step
         return saved
+
+    def _write_record(self, step: int, last_step: bool) -> None:
+        """Rank 0 puts the run record into the folder of a checkpoint about to be saved (before DCP writes
+        ``.metadata``, which is what makes torchtitan count the folder as a checkpoint)."""
+        if self.streams.rank != 0 or not self._should_save(step, last_step):
+            return
+        folder = Path(self._create_checkpoint_id(step))
+        folder.mkdir(parents=True, exist_ok=True)
+        write_record(folder, make_record(config_values(self.trainer.config), None))
 
     def _close(self) -> None:
         if getattr(self, "vote", None) is not None:
