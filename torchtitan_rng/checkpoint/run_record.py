@@ -205,8 +205,11 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
                            "then no longer exact)")
     if refused:
         raise ConfigDriftError("\nerror: ".join(refused))
-    saved_version = (saved.get("versions") or {}).get("torchtitan_rng")
-    if saved_version != current["versions"]["torchtitan_rng"]:
-        warnings.append(f"note: checkpoint {checkpoint} was saved by torchtitan_rng {saved_version}, this is "
-                        f"{current['versions']['torchtitan_rng']}")
+    saved_versions = saved.get("versions") or {}
+    # Named, not refused: another Python reads the same checkpoint (its pickles are checked form by form), and
+    # another torch may compute other bits, which the user should know when comparing logs.
+    moved = [f"{name} {saved_versions.get(name)} (this is {now})" for name, now in current["versions"].items()
+             if saved_versions.get(name) != now]
+    if moved:
+        warnings.append(f"note: checkpoint {checkpoint} was saved by {', '.join(moved)}")
     return warnings
