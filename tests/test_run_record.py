@@ -169,7 +169,7 @@ def test_a_flipped_bit_is_refused_naming_the_file(checkpoint: Path, name: str) -
     with pytest.raises(CheckpointError) as refused:
         verify_integrity(checkpoint)
     assert str(refused.value) == (f"checkpoint {checkpoint} is damaged: {name} does not match the checksum written "
-                                  "at save (its content changed); pick another with --checkpoint.load_step (or move "
+                                  "at save (its content changed); pick another with load_step= (or move "
                                   "it away)")
 
 
