@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.layout import CheckpointError
@@ -32,7 +33,7 @@ class _Samples:
 
 
 def _record(*overrides: str) -> dict:
-    return run_record.build_record(parse_args(["--job.config_file", CONFIG, *overrides]), _Samples())
+    return resume.build_record(parse_args(["--job.config_file", CONFIG, *overrides]), _Samples())
 
 
 def _check(saved: dict, current: dict, allowed: tuple[str, ...] = ()) -> list[str]:

@@ -11,7 +11,8 @@ import sys
 
 from torchtitan_rng.config import parse_args, usage
 from torchtitan_rng.errors import TorchtitanRngError, report
-from torchtitan_rng.launch import orphans, preemption
+from torchtitan_rng import signals
+from torchtitan_rng.launch import orphans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,10 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(usage("python -m torchtitan_rng.train"))
         return 0
-    preemption.install()
+    signals.install()
     try:
         config = parse_args(args)
-        preemption.install(config.signals.checkpoint_on)
+        signals.install(config.signals.checkpoint_on)
     except TorchtitanRngError as err:
         return report(err)
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.errors import CheckpointError
 
 CHECKSUMS_NAME = "checksums.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
