@@ -190,7 +190,8 @@ def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) ->
     for control in ("stock", "at_load"):
         result = compare(runs["full"], runs[control])
         assert result.returncode == 1, f"{control}: {result.stdout}{result.stderr}"
-        assert f"first differing step {STOP + 1}:" in result.stdout, f"{control} should first differ at the first resumed step\n{result.stdout}"
+        assert f"first differing step {STOP + 1}:" in result.stdout, (
+            f"{control} should first differ at the first resumed step\n{result.stdout}")
 
 
 def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:

@@ -54,7 +54,7 @@ from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
-from torchtitan_rng.launch import preemption
+from torchtitan_rng import signals as checkpoint_signals
 from torchtitan_rng.rng import preserved_global_rng
 
 check_tested_version("torchtitan")
@@ -159,7 +159,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        signals: list[str] = field(default_factory=lambda: list(preemption.DEFAULT_SIGNALS))
+        signals: list[str] = field(default_factory=lambda: list(checkpoint_signals.DEFAULT_SIGNALS))
         """Signals that save a full checkpoint at an agreed step and end the run (exit 0)."""
 
         restore_streams_at: Literal["first_iter", "load"] = "first_iter"
@@ -176,7 +176,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self.states[STREAMS_PART] = self.streams
         self._restore_pending = False
         self._stop_step: int | None = None
-        preemption.install(config.signals)
+        checkpoint_signals.install(config.signals)
         self.vote: StopVote | None = StopVote()  # a collective: every rank builds its manager here
         # The loop iterates trainer.dataloader; the checkpoint keeps the loader itself (states["dataloader"]).
         self.trainer.dataloader = _RestoreAfterIter(self.trainer.dataloader, self)
@@ -242,7 +242,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """Called after every step: the stock save, or on an agreed stop signal a full save and the end."""
         self.streams.step = curr_step
         assert self.vote is not None
-        if not self.vote.poll(preemption.received() is not None):
+        if not self.vote.poll(checkpoint_signals.received() is not None):
             self._write_record(curr_step, last_step)
             return super()._save(curr_step, last_step)
         self._stop_step = curr_step
