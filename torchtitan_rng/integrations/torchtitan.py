@@ -166,9 +166,19 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """``first_iter``: after ``iter(dataloader)`` (exact). ``load``: inside the checkpoint load, one
         ``_base_seed`` draw too early; there only to show that the restore point matters."""
 
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.restore_streams_at not in ("first_iter", "load"):
+                raise ValueError(f"torchtitan_rng: restore_streams_at = {self.restore_streams_at!r}; use "
+                                 "\"first_iter\" (exact) or \"load\"")
+            checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         if not self.enable:
+            if rank_and_world_size()[0] == 0:
+                logger.warning("WARNING: torchtitan_rng: checkpointing is off (--checkpoint.enable): no random "
+                               "streams are saved and stop signals are not handled")
             return
         self.restore_streams_at = config.restore_streams_at
         self.trainer = self.states[TRAIN_STATE]
