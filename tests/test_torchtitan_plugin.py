@@ -10,7 +10,10 @@ TensorBoard events (float32, exact) into a loss log and compared bit for bit by 
 * controls: stock torchtitan, stopped and resumed the same way, differs; the plug-in restoring the streams
   inside the checkpoint load (before ``iter(dataloader)``) differs;
 * a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
-  torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint).
+  torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
+* validation runs at steps 1, 2 and 4 of every run, and its loader draws from the global generator; the
+  streams saved at step 2 are those before that step's validation, so the resumes above are exact only
+  because validation moves no training stream (the wrapper's control: in-process, below).
 
 The CPU adjustments (tests/integrations/torchtitan_cpu.py) are test support only. The 10 runs go two at a
 time; the learning rate is flat after warm-up (``--lr_scheduler.decay_ratio 0``) because torchtitan builds
@@ -52,6 +55,9 @@ def _command(assets: Path, dump: Path, steps: int, *extra: str) -> list[str]:
             "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
             "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
+            # Validation at steps 1, 2 and 4: each builds a loader whose iter() draws from the global generator.
+            "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+            "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"),
             "--training.steps", str(steps), *extra]
 
 
@@ -211,6 +217,31 @@ def test_config_drift_names_the_lr_horizon_only_where_the_schedule_uses_it() -> 
     assert line.startswith("training.steps = 20 but the checkpoint was trained with 10")
     flat = dict(saved, **{"lr_scheduler.decay_ratio": 0})
     assert config_drift(flat, dict(flat, **{"training.steps": 20})) == []
+
+
+def test_validation_leaves_the_training_streams_where_it_found_them() -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from torchtitan_rng.integrations.torchtitan import _PreservedStreamsValidator
+    from torchtitan_rng.rng import capture_global_rng, fingerprint
+
+    class DrawingValidator:
+        freq = 2
+
+        def validate(self, model_parts: list, step: int) -> int:
+            torch.rand(1), np.random.rand(), random.random()
+            return step
+
+    cpu = torch.device("cpu")
+    before = fingerprint(capture_global_rng(cpu))
+    wrapped = _PreservedStreamsValidator(DrawingValidator(), cpu)
+    assert wrapped.validate([], 3) == 3 and wrapped.freq == 2
+    assert fingerprint(capture_global_rng(cpu)) == before
+    DrawingValidator().validate([], 3)  # control: unwrapped, the same validation moves every stream
+    assert fingerprint(capture_global_rng(cpu)) != before
 
 
 def test_stock_checkpoint_resumes_with_one_warning(runs: dict[str, Path]) -> None:
