@@ -11,9 +11,10 @@ TensorBoard events (float32, exact) into a loss log and compared bit for bit by 
   inside the checkpoint load (before ``iter(dataloader)``) differs;
 * a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
   torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
-* validation runs at steps 1, 2 and 4 of every run, and its loader draws from the global generator; the
-  streams saved at step 2 are those before that step's validation, so the resumes above are exact only
-  because validation moves no training stream (the wrapper's control: in-process, below).
+* the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
+  the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
+  equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
+  wrapper's control: in-process, below).
 
 The CPU adjustments (tests/integrations/torchtitan_cpu.py) are test support only. The 10 runs go two at a
 time; the learning rate is flat after warm-up (``--lr_scheduler.decay_ratio 0``) because torchtitan builds
@@ -55,10 +56,16 @@ def _command(assets: Path, dump: Path, steps: int, *extra: str) -> list[str]:
             "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
             "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
-            # Validation at steps 1, 2 and 4: each builds a loader whose iter() draws from the global generator.
-            "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
-            "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"),
             "--training.steps", str(steps), *extra]
+
+
+def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
+    """The plug-in, and validation at steps 1, 2 and 4 (each builds a loader whose iter() draws from the global
+    generator). Stock runs do not validate: stock validation moves the training streams, so a stock run that
+    validates differs from the plug-in's runs from step 2 on, stopped or not."""
+    target = PLUGIN + (f"={json.dumps(options)}" if options else "")
+    return ("--override.imports", target, "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+            "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"))
 
 
 def _env(assets: Path) -> dict[str, str]:
@@ -110,7 +117,7 @@ def _signalled_run(assets: Path, dump: Path) -> subprocess.CompletedProcess:
     """The plug-in run to 4 steps, SIGTERM to one rank as soon as training starts."""
     out = dump.parent / f"{dump.name}.out"
     with out.open("w") as sink:
-        proc = subprocess.Popen(_command(assets, dump, STEPS, "--override.imports", PLUGIN), cwd=REPO,
+        proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets)), cwd=REPO,
                                 stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets))
         try:
             while "Training starts at step 1" not in out.read_text():
@@ -140,8 +147,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torchtitan_cpu.write_assets(assets)
     names = ("full", "stopped", "stock", "signalled", "at_load", "stock_ckpt", "plugin_ckpt")
     dumps = {name: root / name for name in names}
-    plugin = ("--override.imports", PLUGIN)
-    at_load = ("--override.imports", PLUGIN + '={"restore_streams_at": "load"}')
+    plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
     outputs: dict[str, str] = {}
 
     def keep(name: str, proc: subprocess.CompletedProcess) -> None:
