@@ -46,13 +46,14 @@ pytestmark = [
 SUPPORT = REPO / "tests" / "integrations"
 PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 STEPS, STOP = 4, 2
-STREAMS_WARNING = "WARNING: torchtitan_rng: checkpoint"
+STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
 
 
 def _command(assets: Path, dump: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_llama",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
+            # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
             "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
             "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
@@ -208,10 +209,10 @@ def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) ->
 
 def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:
     outputs = _outputs(runs)
-    drift = [line for line in outputs["at_load"].splitlines() if "WARNING: torchtitan_rng: training." in line]
+    drift = [line for line in outputs["at_load"].splitlines() if "WARNING - torchtitan_rng: training." in line]
     assert len(drift) == 1 and "training.gc_freq = 49 but the checkpoint was trained with 50" in drift[0], drift
     # The end-of-steps resume changes training.steps, which the flat schedule does not depend on: no line.
-    assert "WARNING: torchtitan_rng" not in outputs["stopped"]
+    assert "WARNING - torchtitan_rng" not in outputs["stopped"]
 
 
 def test_config_drift_names_the_lr_horizon_only_where_the_schedule_uses_it() -> None:

@@ -1,8 +1,10 @@
 """Test support: torchtitan 0.3 on the CPU (gloo, FSDP2, 2 processes) and the tiny config the tests train.
 
 Everything here adapts torchtitan to a CPU-only test machine; none of it is part of the plug-in
-(``torchtitan_rng.integrations.torchtitan``), which runs unchanged on an accelerator. Each adjustment
-says why it is needed. ``apply()`` must run before anything imports torchtitan (``torchtitan_run.py``).
+(``torchtitan_rng.integrations.torchtitan``), which does not depend on any of it. Each adjustment says
+why it is needed. The tests also pass ``--parallelism.spmd_backend partial_dtensor``: with the default
+``spmd_types`` backend, FSDP wrapping fails here ("all parameters must be DTensors on the full SPMD mesh";
+not investigated further). ``apply()`` must run before anything imports torchtitan (``torchtitan_run.py``).
 
 The config registry function ``tiny_llama`` is what the runs pass as ``--module torchtitan_cpu --config
 tiny_llama``: torchtitan's llama3 debug config with a 2-layer model of width 64 and an attention that

@@ -177,7 +177,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         super().__init__(config, **kwargs)
         if not self.enable:
             if rank_and_world_size()[0] == 0:
-                logger.warning("WARNING: torchtitan_rng: checkpointing is off (--checkpoint.enable): no random "
+                logger.warning("torchtitan_rng: checkpointing is off (--checkpoint.enable): no random "
                                "streams are saved and stop signals are not handled")
             return
         self.restore_streams_at = config.restore_streams_at
@@ -236,13 +236,13 @@ class ExactResumeCheckpointManager(CheckpointManager):
         if saved is None or self.streams.rank != 0:
             return
         for line in config_drift(saved["config"], config_values(self.trainer.config)):
-            logger.warning(f"WARNING: torchtitan_rng: {line}: this resume is no longer the run that was stopped")
+            logger.warning(f"torchtitan_rng: {line}: this resume is no longer the run that was stopped")
 
     def _no_streams_reason(self, checkpoint_id: str, keys: Any) -> str:
         saved = sum(1 for key in keys if key.startswith(f"{STREAMS_PART}.rank_"))
         why = (f"was saved by {saved} process(es) and this run has {self.streams.world_size}" if saved else
                "holds no random streams (saved without torchtitan_rng)")
-        return (f"WARNING: torchtitan_rng: checkpoint {checkpoint_id} {why}: resuming with fresh random "
+        return (f"torchtitan_rng: checkpoint {checkpoint_id} {why}: resuming with fresh random "
                 "streams, so this resume is not exact")
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
