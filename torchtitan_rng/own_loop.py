@@ -40,11 +40,12 @@ from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_styl
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import StopVote, on_rank_zero, rank_and_world_size
+from torchtitan_rng.errors import TorchtitanRngError
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import seed_training_streams
 
 
-class RestoreOrderError(RuntimeError):
+class RestoreOrderError(TorchtitanRngError, RuntimeError):
     """A step of the resume order was skipped: ``iter(dataloader)`` before ``load()``, or ``restore_rng()``
     after randomness of the resumed step was consumed; one line says which."""
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_rng.config import ConfigError, parse_args, usage
+from torchtitan_rng.config import parse_args, usage
+from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.launch import orphans, preemption
 
 
@@ -23,9 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(args)
         preemption.install(config.signals.checkpoint_on)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err)
 
     from torchtitan_rng.trainer import run
 

@@ -14,7 +14,6 @@ stop) a step reads nothing from the device: the loss log queues device tensors a
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,8 +27,8 @@ from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
-from torchtitan_rng.config import (ConfigError, JobConfig, as_flags, gradient_accumulation_steps,
-                                   snapshot_every_n_steps)
+from torchtitan_rng.config import JobConfig, as_flags, gradient_accumulation_steps, snapshot_every_n_steps
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
@@ -40,7 +39,7 @@ from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.invariant import setup as invariant_setup, step as invariant_step
 from torchtitan_rng.invariant.record import RECORD_PART, InvariantRecord
 from torchtitan_rng.launch import preemption, preflight, run_lock
-from torchtitan_rng.loss_log import LossLogError, LossLogWriter, loss_log_path
+from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import build_optimizer, hyperparameters_from_config
@@ -300,8 +299,7 @@ def run(config: JobConfig) -> int:
             trainer.train()
         finally:
             trainer.close()
-    except (ConfigError, CheckpointError, LossLogError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
-        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err, as_flags)
     preemption.mark_clean_exit()
     return 0

@@ -86,5 +86,5 @@ def verify_integrity(folder: Path) -> bool:
 
 
 def _damaged(folder: Path, what: str) -> NoReturn:
-    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with --checkpoint.load_step "
+    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with load_step= "
                           "(or move it away)")

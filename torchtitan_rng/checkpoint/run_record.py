@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
+from torchtitan_rng.errors import TorchtitanRngError
 
 RECORD_NAME = "run.json"
 _FORMAT = 1
@@ -52,7 +53,7 @@ _DATA_KEY = "training.dataset_path"
 _HORIZON = "lr_scheduler.total_steps"
 
 
-class ConfigDriftError(ValueError):
+class ConfigDriftError(TorchtitanRngError, ValueError):
     """A resume with changed trajectory keys; the message has one line per key."""
 
 
@@ -125,7 +126,7 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} is damaged (not the JSON this trainer "
-                               "writes); pick another checkpoint with --checkpoint.load_step")
+                               "writes); pick another checkpoint with load_step=")
     return record
 
 
@@ -205,8 +206,11 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
                            "then no longer exact)")
     if refused:
         raise ConfigDriftError("\nerror: ".join(refused))
-    saved_version = (saved.get("versions") or {}).get("torchtitan_rng")
-    if saved_version != current["versions"]["torchtitan_rng"]:
-        warnings.append(f"note: checkpoint {checkpoint} was saved by torchtitan_rng {saved_version}, this is "
-                        f"{current['versions']['torchtitan_rng']}")
+    saved_versions = saved.get("versions") or {}
+    # Named, not refused: another Python reads the same checkpoint (its pickles are checked form by form), and
+    # another torch may compute other bits, which the user should know when comparing logs.
+    moved = [f"{name} {saved_versions.get(name)} (this is {now})" for name, now in current["versions"].items()
+             if saved_versions.get(name) != now]
+    if moved:
+        warnings.append(f"note: checkpoint {checkpoint} was saved by {', '.join(moved)}")
     return warnings

@@ -30,9 +30,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng import device
 from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
-from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.layout import CheckpointError
-from torchtitan_rng.config import ConfigError, as_flags, parse_args
+from torchtitan_rng.checkpoint import integrity
+from torchtitan_rng.config import as_flags, parse_args
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -53,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
-    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
-        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err, as_flags)
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))

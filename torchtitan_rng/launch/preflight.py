@@ -13,10 +13,11 @@ from pathlib import Path
 
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
-from torchtitan_rng.checkpoint.layout import CheckpointError, complete_steps, resolve_checkpoint
+from torchtitan_rng.checkpoint.layout import complete_steps, resolve_checkpoint
 from torchtitan_rng.checkpoint.resume import world_size_changed
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
-from torchtitan_rng.config import ConfigError, JobConfig, as_flags, parse_args
+from torchtitan_rng.config import JobConfig, as_flags, parse_args
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.invariant.setup import check_batch_layout
 from torchtitan_rng.launch import preemption
 from torchtitan_rng.loss_log import loss_log_path
@@ -89,9 +90,8 @@ def how_to_resume(config: JobConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         check(parse_args(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, CheckpointError, run_record.ConfigDriftError) as err:
-        print(f"error: {as_flags(str(err))}", file=sys.stderr)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err, as_flags)
     return 0
 
 
