@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, compare, run_env, together, train
+from tests.support.launch import REPO, compare, run_env, together, train
 from torchtitan_rng.launch.runs import training_command
 
-pytestmark = pytest.mark.e2e
 
 OTHER = os.environ.get("TORCHTITAN_RNG_OTHER_PYTHON", "")
 COMMON = ("--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.total_steps", "6",
@@ -23,7 +22,7 @@ COMMON = ("--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.t
 
 
 def _train_other(dump: Path, *overrides: str) -> None:
-    """One run under the other interpreter, as :func:`launch.train` runs one under this one."""
+    """One run under the other interpreter, as :func:`tests.support.launch.train` runs one under this one."""
     args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
     command = training_command(REPO / "train_configs" / "llama_debug.toml", args)
     proc = subprocess.run([OTHER, *command[1:]], cwd=REPO, capture_output=True, text=True, env=run_env(),
