@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
-from torchtitan_rng.invariant.reduction import butterfly_sum, tree_sum
-from torchtitan_rng.invariant.setup import plan_layout
+from torchtitan_rng.parallel.invariant.reduction import butterfly_sum, tree_sum
+from torchtitan_rng.parallel.invariant.setup import plan_layout
 from torchtitan_rng.models.llama.spec import build_text_dataset
 
 

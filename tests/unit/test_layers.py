@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_rng"
+PACKAGE = Path(__file__).resolve().parents[2] / "torchtitan_rng"
 
 # Import nothing above themselves: what every layer may use.
 BASE = {"errors", "config", "device", "rng", "distributed", "signals", "loss_log"}
