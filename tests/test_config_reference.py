@@ -43,7 +43,8 @@ def test_help_prints_every_key_with_its_meaning_type_and_default() -> None:
             if not line.startswith("      "):
                 break
             following.append(line.strip())
-        assert " ".join(following) == key.meaning, key.dotted
+        minimum = f" (at least {key.minimum:g})" if key.minimum is not None else ""
+        assert " ".join(following) == key.meaning + minimum, key.dotted
 
 
 def test_the_page_is_what_the_generator_writes(tmp_path: Path) -> None:

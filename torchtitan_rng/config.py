@@ -471,9 +471,9 @@ def usage(prog: str) -> str:
             section = key.dotted.split(".")[0]
             lines.append(f"[{section}]")
         choices = f", one of {', '.join(key.choices)}" if key.choices else ""
-        minimum = f", >= {key.minimum:g}" if key.minimum is not None else ""
-        lines.append(f"  --{key.dotted} ({key.type_name}{choices}{minimum}; default {json.dumps(key.default)})")
-        lines.extend(f"      {line}" for line in textwrap.wrap(key.meaning, 100))
+        minimum = f" (at least {key.minimum:g})" if key.minimum is not None else ""
+        lines.append(f"  --{key.dotted} ({key.type_name}{choices}; default {json.dumps(key.default)})")
+        lines.extend(f"      {line}" for line in textwrap.wrap(key.meaning + minimum, 100))
     return "\n".join(lines)
 
 
