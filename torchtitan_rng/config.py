@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.checkpoint.layout import PARTS
+from torchtitan_rng.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib as toml_reader
@@ -29,10 +29,6 @@ else:  # pragma: no cover - Python 3.10
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "device", "dataloader")
 COMPILE_COMPONENTS = ("model", "loss")
 _PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line saying what is wrong and what to do."""
 
 
 def _key(default: Any, meaning: str, *, choices: tuple[str, ...] = ()) -> Any:
@@ -49,7 +45,8 @@ class Job:
     config_file: str = _key("", "the TOML file the other values come from (CLI overrides it)")
     dump_folder: str = _key("./outputs", "where the checkpoints, the loss log and validation pictures go; a relative "
                             "path means the directory you run from")
-    description: str = _key("", "free text, kept in each checkpoint's run.json")
+    description: str = _key("", "free text, printed first when the run starts and kept in each checkpoint's "
+                            "run.json")
     custom_module: str = _key("", "a module imported before model.name is looked up; it may register its own "
                               "train spec (register_train_spec): see docs/api.md")
 
@@ -149,7 +146,8 @@ class Checkpoint:
     keep_latest_k: int = _key(0, "keep only the newest k complete checkpoints; 0: all")
     initial_load_path: str = _key("", "a step-N folder, or a folder of them, to start from when the dump folder has "
                                   "no checkpoint yet")
-    exclude_from_loading: list[str] = _key([], "parts not to load, any of: " + ", ".join(PARTS))
+    exclude_from_loading: list[str] = _key([], "checkpoint parts not to load, any of: model, optimizer, "
+                                           "lr_scheduler, dataloader, train_state")
     async_mode: str = _key("disabled", "async: the loop goes on while the save is written in the background "
                            "(the last step's save stays synchronous)", choices=("disabled", "async"))
     restore_rng: bool = _key(True, "restore the saved random streams on resume; switch off only to see what breaks "
@@ -411,11 +409,6 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
-    for name in config.checkpoint.exclude_from_loading:
-        if name not in PARTS:
-            raise ConfigError(
-                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(PARTS)}"
-            )
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
 

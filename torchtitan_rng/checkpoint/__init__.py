@@ -24,6 +24,7 @@ a ``step-N`` with DCP's ``.metadata`` is complete; ``step-N.deleting`` is a prun
 * ``run.json`` — the resolved config, a fingerprint of the data and the versions (run_record.py).
 * ``checksums.json`` — size and a 128-bit sum of every other file, written last (integrity.py).
 
-Loading reads ``.metadata`` with an unpickler that knows only DCP's classes and every other non-tensor item
-with ``weights_only=True`` (safe_load.py).
+Before a load, vetting.py decides whether the checkpoint may be resumed (whole, layout, checksums, run
+record, in that order); loading reads ``.metadata`` with an unpickler that knows only DCP's classes and every
+other non-tensor item with ``weights_only=True`` (safe_load.py).
 """

@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 from torchtitan_rng.distributed import StopVote
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
-from torchtitan_rng.launch import preemption
+from torchtitan_rng import signals
 
 check_tested_version("transformers")
 check_tested_version("accelerate")
@@ -46,7 +46,7 @@ class _SaveAndStopOnSignal(transformers.TrainerCallback):
 
     def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                     control: transformers.TrainerControl, **kwargs: Any) -> None:
-        if self.vote is not None and self.vote.poll(preemption.received() is not None):
+        if self.vote is not None and self.vote.poll(signals.received() is not None):
             control.should_save = True
             control.should_training_stop = True
 
@@ -69,7 +69,7 @@ class ExactResumeTrainer(transformers.Trainer):
         if self.args.save_only_model:
             raise ValueError("ExactResumeTrainer needs save_only_model=False: a checkpoint without optimizer "
                              "and loader state cannot resume exactly")
-        preemption.install()
+        signals.install()
         self.add_callback(_SaveAndStopOnSignal())
         self._exact_loader: EpochLoader | None = None
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
-from torchtitan_rng.launch import preemption
+from torchtitan_rng import signals
 
 check_tested_version("lightning")
 
@@ -49,7 +49,7 @@ class ExactResumeCallback(L.Callback):
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self._loaders: list[EpochLoader] = []
         self._vote: StopVote | None = None
-        preemption.install()
+        signals.install()
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -79,7 +79,7 @@ class ExactResumeCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        signalled = preemption.received() is not None or trainer.received_sigterm
+        signalled = signals.received() is not None or trainer.received_sigterm
         # At optimizer steps only, the same ones on every rank; the vote is read one step later, never waited for.
         if trainer.fit_loop._should_accumulate() or self._vote is None or not self._vote.poll(signalled):
             return
