@@ -26,9 +26,9 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def test_design_doc_shows_the_table() -> None:
-    design = (REPO / "docs" / "design.md").read_text()
-    assert markdown_table() in design, f"docs/design.md must hold this table, as rng.STREAMS:\n{markdown_table()}"
+def test_randomness_page_shows_the_table() -> None:
+    page = (REPO / "docs" / "randomness.md").read_text()
+    assert markdown_table() in page, f"docs/randomness.md must hold this table, as rng.STREAMS:\n{markdown_table()}"
 
 
 def _calls(path: Path) -> list[tuple[str, ast.Call]]:
