@@ -17,7 +17,9 @@ from tests.support.launch import REPO
 from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
-from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.checkpoint.codec import decode_state, encode_state
+from torchtitan_rng.checkpoint.layout import CheckpointError, rank_key
+from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.launch import run_lock
@@ -233,3 +235,24 @@ def test_lock_is_not_taken_over_while_a_rank_lives(tmp_path: Path) -> None:
     taken = run_lock.acquire(tmp_path)
     assert taken.owned
     taken.release()
+
+
+# --- format numbers ----------------------------------------------------------------------------------------
+
+def test_a_newer_record_format_is_refused(tmp_path: Path) -> None:
+    record = _record()
+    run_record.write_record(tmp_path, record)
+    assert run_record.read_record(tmp_path) == json.loads(json.dumps(record))  # control: this format reads
+    run_record.write_record(tmp_path, {**record, "format": record["format"] + 1})
+    with pytest.raises(run_record.ConfigDriftError, match=r"run.json has format 2, newer than this torchtitan_rng "
+                                                          r"reads \(1\); resume it with the version that saved it"):
+        run_record.read_record(tmp_path)
+
+
+def test_a_newer_train_state_format_is_refused() -> None:
+    saved = TrainState(torch.device("cpu"), 0, 1).state_dict()
+    TrainState(torch.device("cpu"), 0, 1).load_state_dict(saved)  # control: this format loads
+    state = decode_state(saved[rank_key(0)])
+    newer = {**saved, rank_key(0): encode_state({**state, "format": state["format"] + 1})}
+    with pytest.raises(CheckpointError, match="train state of rank 0 has format 2, newer than this torchtitan_rng"):
+        TrainState(torch.device("cpu"), 0, 1).load_state_dict(newer)
