@@ -196,8 +196,9 @@ class Debug:
 
 @dataclass
 class Signals:
-    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1"], "signals that make every rank checkpoint at the next "
-                                    "step boundary and exit 0 (docs/clusters.md)")
+    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1", "SIGINT"], "signals that make every rank checkpoint at "
+                                    "the next step boundary and exit 0; a second SIGINT (Ctrl-C) aborts without a "
+                                    "save (docs/clusters.md)")
 
 
 @dataclass
