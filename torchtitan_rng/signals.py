@@ -76,7 +76,8 @@ def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
 
 def ignore_checkpoint_signals(worker_id: int = 0) -> None:
     """In a dataloader worker (forked from a rank, with its handlers): ignore the signals the rank
-    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save."""
+    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save.
+    In a rank whose run is over: a late signal changes nothing."""
     for signum in _handled:
         signal.signal(signum, signal.SIG_IGN)
 

@@ -30,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from torchtitan_rng.trainer import run
 
-    return run(config)
+    try:
+        return run(config)
+    finally:
+        # The run is over. Python puts caught signals back to their default action as it shuts down: a late
+        # SIGTERM (torchrun closing the ranks once one of them failed) would then replace this exit code.
+        signals.ignore_checkpoint_signals()
 
 
 if __name__ == "__main__":

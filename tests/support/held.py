@@ -21,18 +21,18 @@ class Held:
     holds: Path
     out: Path
 
-    def wait_held(self, name: str, timeout: float = 300) -> Path:
-        """Block until the run holds at ``name`` (``POINT-STEP-rankR``); its file is returned."""
-        held = self.holds / name
+    def wait_held(self, pattern: str, timeout: float = 300) -> Path:
+        """Block until the run holds at a point matching ``pattern`` (``POINT-STEP-rankR``, a glob); its file
+        is returned."""
         deadline = time.monotonic() + timeout
-        while not held.exists():
+        while not (held := sorted(self.holds.glob(pattern))):
             if self.proc.poll() is not None:
-                raise AssertionError(f"the run ended (exit {self.proc.returncode}) before holding at {name}\n"
+                raise AssertionError(f"the run ended (exit {self.proc.returncode}) before holding at {pattern}\n"
                                      f"{self.stdout()[-3000:]}\n{self.stderr()[-3000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"the run did not hold at {name} within {timeout} s")
+                raise AssertionError(f"the run did not hold at {pattern} within {timeout} s")
             time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
-        return held
+        return held[0]
 
     def finish(self, timeout: float = 300) -> subprocess.CompletedProcess:
         self.proc.wait(timeout=timeout)

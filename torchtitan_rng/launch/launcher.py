@@ -47,7 +47,7 @@ def _failed(failures: dict[int, ProcessFailure]) -> int:
     reported its error (its one line; all ranks report a failed save), else the lowest failed rank's."""
     reported = sorted(rank for rank, failure in failures.items() if failure.exitcode == EXIT_CODE)
     if reported:
-        if reported[0] != 0:  # rank 0's output is the one shown
+        if 0 not in failures:  # rank 0's output is the one shown, and it did not fail
             print(f"error: rank {reported[0]} failed; its one-line message is in its own output",
                   file=sys.stderr, flush=True)
         return EXIT_CODE
