@@ -16,6 +16,7 @@ from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.config import JobConfig, snapshot_every_n_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem
+from torchtitan_rng.data.sample_keys import with_sample_keys
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World
@@ -82,10 +83,14 @@ def build_dataloader(config: JobConfig, world: World, plan: ParallelPlan,
                    # The loader counts micro-batches: the user's cadence is in optimizer steps.
                    "snapshot_every_n_steps": snapshot_every_n_steps(config) * plan.micro_batches_per_rank}
     if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
+        if config.metrics.log_samples:
+            raise ConfigError("config metrics.log_samples records the keys of a map-style dataset's samples, and a "
+                              "streaming source (data.streaming) has none; turn one of them off")
         return StreamingDataLoader(dataset, **loader_args)
     if data.streaming:
         raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
     # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-    return ResumableDataLoader(with_worker_rng(dataset, data.capture_worker_rng), **loader_args,
+    keyed = with_sample_keys(dataset) if config.metrics.log_samples else dataset
+    return ResumableDataLoader(with_worker_rng(keyed, data.capture_worker_rng), **loader_args,
                                on_num_workers_change=data.on_num_workers_change,
                                batch_sampler=plan.batch_sampler(dataset))
