@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"step": args.step, "samples": keys}))
         return 0
-    print(f"step {args.step} of {args.run}: {len(keys)} micro-batches of {len(keys[0])} samples, rank-major over "
+    print(f"step {args.step} of {args.run}: {len(keys)} micro-batch(es) of {len(keys[0])} samples, rank-major over "
           f"{world_size} process(es) (key = epoch * {num_samples} + index)")
     for number, batch in enumerate(keys):
         print(f"micro-batch {number}: {' '.join(map(str, batch))}")
