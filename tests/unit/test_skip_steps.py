@@ -63,3 +63,23 @@ def test_a_skip_added_for_a_trained_step_is_refused(tmp_path: Path) -> None:
         skips.refuse_past_steps(config, _record(), tmp_path, 3)
     skips.refuse_past_steps(config, _record("--training.skip_steps", "2"), tmp_path, 3)  # skipped then already
     skips.refuse_past_steps(config, _record(), tmp_path, 1)  # both still ahead
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> None:
+    """What ``python -m torchtitan_rng.samples`` computes for 2 processes, 2 micro-batches each, 3 samples per
+    micro-batch over 10 samples per epoch (batches span epochs), is what each rank's own sampler hands out."""
+    from torchtitan_rng.data.global_sampler import GlobalBatchSampler
+    from torchtitan_rng.data.sampler import ResumableBatchSampler
+    from torchtitan_rng.parallel import plan_class
+
+    flags = ["--training.local_batch_size", "3", "--training.global_batch_size", "12", "--debug.seed", "7"]
+    config = parse_args([*flags, *(["--parallelism.world_size_invariant"] if invariant else [])])
+    samplers = [GlobalBatchSampler(10, 3, 4, rank, 2, 7) if invariant else ResumableBatchSampler(10, 3, rank, 2, 7)
+                for rank in range(2)]
+    for step in range(1, 9):
+        loaded = [next(sampler) for sampler in samplers for _ in range(2)]
+        assert plan_class(config).step_sample_keys(config, 10, 2, step) == loaded, step
+    # Control: another seed orders them otherwise.
+    other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])
+    assert plan_class(other).step_sample_keys(other, 10, 2, 8) != loaded
