@@ -29,7 +29,7 @@ _ORDER_KEYS = ("debug.seed", "training.local_batch_size", "training.global_batch
                "parallelism.world_size_invariant", "data.streaming", "model.name")
 
 
-def _checkpoints(run: Path) -> list[Path]:
+def run_checkpoints(run: Path) -> list[Path]:
     """The complete checkpoints of the run (its checkpoint folder is a folder of ``step-N`` folders in RUN)."""
     found = []
     for folder in sorted(path for path in [run, *run.iterdir()] if path.is_dir()):
@@ -51,7 +51,7 @@ def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int]:
         raise ConfigError(f"{run} is not a folder; give the run's dump folder (job.dump_folder)")
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
-    checkpoints = _checkpoints(run)
+    checkpoints = run_checkpoints(run)
     if not checkpoints:
         raise ConfigError(f"{run} holds no complete checkpoint, whose {run_record.RECORD_NAME} records the config "
                           "that orders the samples; run with --checkpoint.enable (or read the keys that "

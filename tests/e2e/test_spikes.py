@@ -3,7 +3,8 @@ skipped steps (``training.skip_steps``) given at launch or added at a resume, bi
 
 One set of runs, side by side, checked several ways: in the ordinary mode with 2 dataloader workers and 2
 micro-batches per step, a run skipping steps 4-5 from its launch, the same run stopped at step 3 and resumed with
-the skip added, and a control whose "skip" loads no data; in the world-size-invariant mode the same pair.
+the skip added, and a control whose "skip" loads no data; in the world-size-invariant mode the same pair, the
+launched one on 2 processes, the resumed one on 1 (the mode makes them equal), and a replay of its step 5 on 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.checks import assert_refused, float_bits
 from tests.support.launch import REPO, compare, run_env, together, train
@@ -45,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         lambda: train(dumps["control"], *ORDINARY, "--training.skip_steps", SKIP,
                       "--job.custom_module", "tests.support.skip_without_data"),
         lambda: _skip_at_resume(dumps["invariant_resume"], *INVARIANT),
-        lambda: train(dumps["invariant_launch"], *INVARIANT, "--training.skip_steps", SKIP),
+        lambda: train(dumps["invariant_launch"], *INVARIANT, "--training.skip_steps", SKIP, nproc=2),
     )
     for proc in (resumed, invariant_resumed):  # the change is named at the resume, not refused
         assert "note: training.skip_steps = '4-5' but checkpoint" in proc.stdout, proc.stdout
@@ -98,3 +100,30 @@ def test_samples_refuses_a_streaming_run(runs: dict[str, Path], tmp_path: Path) 
     control = subprocess.run([sys.executable, "-m", "torchtitan_rng.samples", str(runs["launch"]), "--step", "2"],
                              cwd=REPO, capture_output=True, text=True, env=run_env(), timeout=120)
     assert control.returncode == 0 and "micro-batch 1: " in control.stdout, control.stderr
+
+
+def _replay(dump: Path, step: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchtitan_rng.replay", str(dump), "--step", str(step)], cwd=REPO,
+                          capture_output=True, text=True, env=run_env(), timeout=600)
+
+
+def test_replay_of_a_two_process_step_on_one_process(runs: dict[str, Path], tmp_path: Path) -> None:
+    """(b): step 5 of the 2-process invariant run, replayed on 1 process from its checkpoint of step 3, reports
+    the logged loss bit for bit, and micro-batch losses whose mean (the step's tree: (a + b) / 2 in float32) is it."""
+    dump = runs["invariant_launch"]
+    logged = read_loss_log(dump)[5]
+    # Control first, on a copy whose log says another loss for step 5: the replay must say so and exit 1.
+    altered = tmp_path / "altered"
+    shutil.copytree(dump, altered)
+    log = altered / "loss_log.jsonl"
+    log.write_text(log.read_text().replace(json.dumps(logged["loss"]), json.dumps(logged["loss"] + 1e-6)))
+    proc, control = together(lambda: _replay(dump, 5), lambda: _replay(altered, 5))
+    assert control.returncode == 1 and "but the run's loss log has" in control.stdout, control.stdout + control.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"from checkpoint {dump / 'checkpoint' / 'step-3'}" in proc.stdout
+    assert "equal to the run's loss log bit for bit" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("micro-batch ")]
+    losses = [float(line.split()[3]) for line in lines]
+    assert [[int(key) for key in line.split("samples ")[1].split()] for line in lines] == logged["samples"]
+    mean = (torch.tensor(losses[0]) + torch.tensor(losses[1])) / 2
+    assert float_bits(float(mean)) == float_bits(logged["loss"])
