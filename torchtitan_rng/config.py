@@ -84,8 +84,15 @@ class Training:
                                        choices=("float32",))
     skip_steps: str = _key("", "steps that apply no update, e.g. 6,9 or 40-43 (docs/spikes.md): each still loads its "
                            "data and draws its random numbers as if it trained, the learning-rate schedule and the "
-                           "step counter advance, the optimizer does not step; its loss-log line says \"skipped\": "
-                           "true. May be added at a resume (a note), for steps after the checkpoint")
+                           "step counters (the run's and the optimizer's) advance, the weights and the optimizer's "
+                           "moments stay; its loss-log line says \"skipped\": true. May be added at a resume (a "
+                           "note), for steps after the checkpoint")
+    spike_guard: str = _key("", "skip a step whose loss or gradient norm spikes, decided on the device (no host "
+                            "read): METRIC,RULE[,window=N][,warmup=N], METRIC loss, grad_norm or loss+grad_norm, "
+                            "RULE factor=F (value > F x the rolling mean) or zscore=Z (value > mean + Z x std); the "
+                            "rolling window (default 50) holds the last trained steps' values, and no step is judged "
+                            "before warmup (default 10) of them; a non-finite value is always a spike. E.g. "
+                            "loss,factor=3 (docs/spikes.md)")
 
 
 @dataclass
@@ -416,6 +423,7 @@ def validate(config: JobConfig) -> None:
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
     parse_skip_steps(config.training.skip_steps)
+    parse_spike_guard(config.training.spike_guard)
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
 
@@ -469,6 +477,54 @@ def format_skip_steps(steps: frozenset[int] | set[int]) -> str:
             items.append(str(first) if first == step else f"{first}-{step}")
             start = i + 1
     return ",".join(items)
+
+
+GUARD_METRICS = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """training.spike_guard, parsed: which values, which test, over how many trained steps."""
+
+    metrics: tuple[str, ...]
+    rule: str  # "factor" or "zscore"
+    threshold: float
+    window: int = 50
+    warmup: int = 10
+
+
+def parse_spike_guard(value: str) -> SpikeRule | None:
+    """training.spike_guard = "loss,factor=3,window=50,warmup=10" (empty: None); a ConfigError in one line when
+    malformed."""
+    if not value.strip():
+        return None
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config training.spike_guard = {value!r} is not valid ({why}); use METRIC,RULE"
+                           "[,window=N][,warmup=N] with METRIC loss, grad_norm or loss+grad_norm and RULE factor=F "
+                           "or zscore=Z, e.g. loss,factor=3")
+
+    metric, *options = (part.strip() for part in value.split(","))
+    metrics = tuple(metric.split("+"))
+    if not metric or any(m not in GUARD_METRICS for m in metrics) or len(set(metrics)) != len(metrics):
+        raise bad(f"metric {metric!r}")
+    fields: dict[str, str] = {}
+    for option in options:
+        name, _, number = option.partition("=")
+        if name not in ("factor", "zscore", "window", "warmup") or name in fields or not number:
+            raise bad(repr(option))
+        fields[name] = number
+    rules = [name for name in ("factor", "zscore") if name in fields]
+    if len(rules) != 1:
+        raise bad("give one rule, factor=F or zscore=Z")
+    try:
+        threshold = float(fields[rules[0]])
+        window, warmup = int(fields.get("window", 50)), int(fields.get("warmup", 10))
+    except ValueError:
+        raise bad("a number that does not read as one") from None
+    if not threshold > 0 or not 2 <= warmup <= window:
+        raise bad("the rule's number must be > 0 and 2 <= warmup <= window")
+    return SpikeRule(metrics, rules[0], threshold, window, warmup)
 
 
 def parse_args(argv: list[str]) -> JobConfig:

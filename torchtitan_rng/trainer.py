@@ -35,7 +35,7 @@ from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import hyperparameters_from_config
 from torchtitan_rng.rng import preserved_global_rng
 from torchtitan_rng.sample_log import SampleLog
-from torchtitan_rng.skips import skipped_steps
+from torchtitan_rng.skips import apply_update, skipped_steps
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -176,11 +176,15 @@ class Trainer:
                 samples.step_done(step, line)
                 if sync_point:
                     samples.sync()
-            written = None
+            written: list[dict[str, Any]] = []
             if loss_log is not None:
                 loss_log.write(line)
-                written = loss_log.flush() if sync_point else None
-            progress.step_done(step, written or record)  # it prints only at sync points, from what was written
+                written = loss_log.flush() if sync_point else []
+                for skipped in (line for line in written if line.get("skipped") and line["step"] not in
+                                self.skipped_steps):
+                    self._log(f"spike guard: step {skipped['step']} skipped (loss {skipped['loss']!r}, grad_norm "
+                              f"{skipped['grad_norm']!r}){'; its samples are in the loss log' * ('samples' in skipped)}")
+            progress.step_done(step, written[-1] if written else record)  # it prints only at sync points
             self.checkpointer.save(step, last_step=last_step, force=stop)
             if stop:
                 stopped_at = step
@@ -199,18 +203,22 @@ class Trainer:
         draws and computes as a trained one, and only its update is left out."""
         config, parts = self.config, self.parts
         parts.optimizer.zero_grad(set_to_none=True)
-        loss = self.plan.forward_backward(parts.model, parts.params, batches, parts.loss_fn, step)
+        loss_fn = self.faults.loss_fn(parts.loss_fn, step) if self.faults is not None else parts.loss_fn
+        loss = self.plan.forward_backward(parts.model, parts.params, batches, loss_fn, step)
         grad_norm = _clip_grad_norm(parts.params, config.training.max_norm)
         lr = parts.lr_scheduler.get_last_lr()[0]
-        skipped = step in self.skipped_steps
-        if not skipped:
-            parts.optimizer.step()
-        parts.lr_scheduler.step()  # on the same curve either way
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
         }
-        if skipped:
-            record["skipped"] = True
+        given = step in self.skipped_steps
+        if parts.spike_guard is None and not given:
+            parts.optimizer.step()
+        else:  # decided on the device; the loss log reads it at its next sync point (a bool: see loss_log.py)
+            skip = (parts.spike_guard.judge({"loss": loss, "grad_norm": grad_norm}, given)
+                    if parts.spike_guard is not None else torch.tensor(True, device=self.world.device))
+            apply_update(parts.optimizer, skip)
+            record["skipped"] = skip
+        parts.lr_scheduler.step()  # on the same curve either way
         if parts.spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
             with preserved_global_rng(self.world.device):
                 record.update(parts.spec.validate(parts.model, config, step, self.dump_folder, self.world.device))
