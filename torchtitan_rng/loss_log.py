@@ -6,9 +6,10 @@ appears twice (a run redone after a crash), the later line counts.
 
 Records may hold 0-d device tensors: the writer keeps them until :meth:`LossLogWriter.flush`, which reads
 them all in one device-to-host copy, so a step costs no host synchronisation. A bool tensor is a flag (the
-spike guard's ``"skipped"``): written as ``true`` when set, left out when not, as a host ``True`` would be. The trainer flushes before
-every checkpoint, so a run killed between two flushes loses only steps after its last checkpoint, which the
-resume recomputes; a run that fails with an error writes its queued steps when the writer is closed.
+spike guard's ``"skipped"``): written as ``true`` when set, left out when not, as a host ``True`` would be.
+The trainer flushes before every checkpoint, so a run killed between two flushes loses only steps after its
+last checkpoint, which the resume recomputes; a run that fails with an error writes its queued steps when the
+writer is closed.
 """
 
 from __future__ import annotations

@@ -57,3 +57,10 @@ class SpikeGuard:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.values.copy_(state_dict["values"])
         self.filled.copy_(state_dict["filled"])
+
+
+def decisions(written: list[dict[str, Any]], listed: frozenset[int]) -> list[str]:
+    """A line for each step the guard skipped among loss-log lines just written (``listed``: training.skip_steps)."""
+    return [f"spike guard: step {line['step']} skipped (loss {line['loss']!r}, grad_norm {line['grad_norm']!r})"
+            + ("; its samples are in the loss log" if "samples" in line else "")
+            for line in written if line.get("skipped") and line["step"] not in listed]

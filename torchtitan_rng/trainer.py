@@ -36,6 +36,7 @@ from torchtitan_rng.optimizer import hyperparameters_from_config
 from torchtitan_rng.rng import preserved_global_rng
 from torchtitan_rng.sample_log import SampleLog
 from torchtitan_rng.skips import apply_update, skipped_steps
+from torchtitan_rng.spike_guard import decisions
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -180,10 +181,8 @@ class Trainer:
             if loss_log is not None:
                 loss_log.write(line)
                 written = loss_log.flush() if sync_point else []
-                for skipped in (line for line in written if line.get("skipped") and line["step"] not in
-                                self.skipped_steps):
-                    self._log(f"spike guard: step {skipped['step']} skipped (loss {skipped['loss']!r}, grad_norm "
-                              f"{skipped['grad_norm']!r}){'; its samples are in the loss log' * ('samples' in skipped)}")
+                for message in decisions(written, self.skipped_steps):
+                    self._log(message)
             progress.step_done(step, written[-1] if written else record)  # it prints only at sync points
             self.checkpointer.save(step, last_step=last_step, force=stop)
             if stop:

@@ -127,9 +127,10 @@ def test_the_loss_log_writes_a_decision_as_a_flag(tmp_path: Path) -> None:
     assert float_bits(read_loss_log(tmp_path)[2]["loss"]) == float_bits(9.5)
 
 
-@pytest.mark.parametrize(("name", "block"), [("layers.3.attn.qkv.weight", "layers.3"), ("output.weight", "output"),
-                                             ("_orig_mod.layers.0.ffn.up.weight", "layers.0"),
-                                             ("transformer.double_blocks.1.img.qkv.bias", "transformer.double_blocks.1"),
-                                             ("transformer.img_in.weight", "transformer.img_in"), ("scale", "scale")])
+@pytest.mark.parametrize(("name", "block"), [
+    ("layers.3.attn.qkv.weight", "layers.3"), ("output.weight", "output"), ("_orig_mod.layers.0.ffn.up.weight", "layers.0"),
+    ("transformer.double_blocks.1.img.qkv.bias", "transformer.double_blocks.1"),
+    ("transformer.img_in.weight", "transformer.img_in"), ("scale", "scale"),
+])
 def test_the_blocks_replay_reports(name: str, block: str) -> None:
     assert block_of(name) == block
