@@ -91,7 +91,7 @@ class Training:
                             "read): METRIC,RULE[,window=N][,warmup=N], METRIC loss, grad_norm or loss+grad_norm, "
                             "RULE factor=F (value > F x the rolling mean) or zscore=Z (value > mean + Z x std); the "
                             "rolling window (default 50) holds the last trained steps' values, and no step is judged "
-                            "before warmup (default 10) of them; a non-finite value is always a spike. E.g. "
+                            "before warmup (default 10) of them; a NaN or infinite value is always a spike. E.g. "
                             "loss,factor=3 (docs/spikes.md)")
 
 

@@ -58,7 +58,8 @@ def _replay_config(values: dict[str, Any], checkpoint: Path | None, step: int, d
     ckpt = config.checkpoint
     ckpt.enable, ckpt.folder, ckpt.load_step, ckpt.keep_latest_k = True, "checkpoint", -1, 1
     ckpt.interval, ckpt.async_mode = step + 1, "disabled"  # only the last step's save, into the temporary folder
-    ckpt.initial_load_path = str(checkpoint) if checkpoint is not None else ""
+    if checkpoint is not None:  # else the run's own start: afresh, or the checkpoint it was started from
+        ckpt.initial_load_path = str(checkpoint)
     return config
 
 
