@@ -99,7 +99,8 @@ def _observe(trainer: Any, step: int) -> StepReport:
     """Hooks on ``trainer``'s plan and step that fill a report of ``step`` (other steps run untouched). Each
     micro-batch's own gradient is one more backward through its retained graph (``autograd.grad``: it
     writes no ``.grad`` and draws nothing), so the step's gradients and its update stay those of the run."""
-    seen, plan, named = StepReport(), trainer.plan, list(trainer.parts.model.named_parameters())
+    seen, plan = StepReport(), trainer.plan
+    named = [(name, p) for name, p in trainer.parts.model.named_parameters() if p.requires_grad]  # the trained
     params = [p for _, p in named]
     forward_backward, train_step = plan.forward_backward, trainer._step
 
