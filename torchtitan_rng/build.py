@@ -72,9 +72,6 @@ def build_components(config: JobConfig, world: World) -> Components:
     dataset = spec.build_dataset(config)
     dataloader = build_dataloader(config, world, plan, dataset)
     rule = parse_spike_guard(config.training.spike_guard)
-    if rule is not None and not config.metrics.log_samples and not isinstance(dataset, WindowStream):
-        raise ConfigError("config training.spike_guard records the samples of each step it skips: add "
-                          "--metrics.log_samples")
     return Components(spec, plan, model, param_count, params, loss_fn, optimizer, lr_scheduler, dataset, dataloader,
                       TrainState(world.device, world.rank, world.world_size),
                       SpikeGuard(rule, world.device) if rule is not None else None)

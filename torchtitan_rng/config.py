@@ -423,7 +423,9 @@ def validate(config: JobConfig) -> None:
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
     parse_skip_steps(config.training.skip_steps)
-    parse_spike_guard(config.training.spike_guard)
+    if parse_spike_guard(config.training.spike_guard) and not (config.metrics.log_samples or config.data.streaming):
+        raise ConfigError("config training.spike_guard records the samples of each step it skips: add "
+                          "--metrics.log_samples (a streaming source, data.streaming, has none to record)")
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
 

@@ -33,8 +33,15 @@ def test_spellings(value: str, rule: SpikeRule | None) -> None:
                                    "loss+loss,factor=3", "loss,factor=3,factor=4"])
 def test_bad_values_are_one_line(value: str) -> None:
     with pytest.raises(ConfigError, match=r"training.spike_guard = .* is not valid .* e\.g\. loss,factor=3") as err:
-        parse_args(["--training.spike_guard", value])
+        parse_args(["--training.spike_guard", value, "--metrics.log_samples"])
     assert "\n" not in str(err.value)
+
+
+def test_the_guard_needs_the_samples_it_records() -> None:
+    with pytest.raises(ConfigError, match=r"records the samples .* add --metrics.log_samples") as err:
+        parse_args(["--training.spike_guard", "loss,factor=3"])
+    assert "\n" not in str(err.value)
+    parse_args(["--training.spike_guard", "loss,factor=3", "--metrics.log_samples"])  # control
 
 
 def _judge(guard: SpikeGuard, losses: list[float], given: set[int] = frozenset()) -> list[bool]:
