@@ -150,11 +150,13 @@ def verdict(step: int, replayed: dict[str, Any], logged: dict[str, Any]) -> tupl
 
 def _refuse_other_counts(run: Path, values: dict[str, Any]) -> None:
     """One process continues this run's checkpoints exactly, or the replay is refused (its plan says why)."""
-    config = from_values(values)
+    config, info = from_values(values), inspect_checkpoint(run_checkpoints(run)[-1])
     try:
-        plan_class(config).check_checkpoint(inspect_checkpoint(run_checkpoints(run)[-1]), 1, None)
+        plan_class(config).check_checkpoint(info, 1, None)
     except CheckpointError as err:
-        raise ConfigError(f"replay runs on one process, and {err}") from None
+        raise ConfigError(f"replay runs on one process, and one cannot continue this run exactly ({err}); replay "
+                          f"runs of {info.saved_world_size} processes in the world-size-invariant mode, or resume this "
+                          "one at its count into a new dump folder (--checkpoint.initial_load_path)") from None
 
 
 def replay(run: Path, step: int) -> int:

@@ -170,5 +170,5 @@ def test_replay_refuses_an_ordinary_run_of_two_processes(runs: dict[str, Path], 
         (checkpoint / "run.json").write_text(record)
     assert replay.main([str(dump), "--step", "5"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: replay runs on one process, and checkpoint ")
-    assert "saved by 2 processes" in err
+    assert err.count("\n") == 1 and err.startswith("error: replay runs on one process, and one cannot continue ")
+    assert "saved by 2 processes" in err and "--checkpoint.initial_load_path" in err
