@@ -21,8 +21,14 @@ Points, in the order a run meets them:
 * ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
 * ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
 
-Each armed entry fires once, and only in a run's first attempt: a worker that torchrun restarted
-(``--max-restarts``) arms nothing, as a crash injected once does not come back. Unset (the normal case), the trainer builds no injector and hands none to
+and one that fires no signal: ``loss_spike`` multiplies every micro-batch loss of STEP on RANK by
+``LOSS_SPIKE_FACTOR`` (its gradients too), as a batch of broken samples would: a spike for the spike guard
+(``training.spike_guard``) to find. It changes nothing else of the step (data, random draws), and holds on
+every run the variable is set in, a resumed one included.
+
+Each armed entry fires once, and only in a run's first attempt: ranks that torchrun restarted
+(``--max-restarts``) arm nothing, as a crash injected once does not come back. Unset (the normal case), the
+trainer builds no injector and hands none to
 the checkpoint manager: the production save path does not know this module.
 """
 
@@ -34,6 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -41,8 +48,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
 HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
-POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_renamed", "prune")
+POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_renamed", "prune",
+          "loss_spike")
 HOLD = 0  # the action "hold" (no signal has number 0)
+LOSS_SPIKE_FACTOR = 1000.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,12 @@ class FaultInjector:
         held.touch()
         while held.exists():
             time.sleep(0.01)  # polling the test's answer, not a guessed delay
+
+    def loss_fn(self, loss_fn: Callable[..., torch.Tensor], step: int) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` for ``step`` on this rank: scaled by LOSS_SPIKE_FACTOR where ``loss_spike`` is armed."""
+        if not self._armed.get(("loss_spike", step)):
+            return loss_fn
+        return lambda *args: loss_fn(*args) * LOSS_SPIKE_FACTOR
 
     def save_planner(self, step: int) -> DefaultSavePlanner | None:
         """The planner for ``dcp.save`` when ``save_writing`` is armed for this step, else None (DCP's own)."""
