@@ -77,10 +77,9 @@ def _finished(job: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("slurm")
-    reference, dump = tmp / "reference", tmp / "run"
+def _slurm_jobs(tmp: Path) -> list:
+    """The uninterrupted run and the preempted-then-requeued job, to run beside the other engines' runs."""
+    reference, dump = tmp / "slurm_reference", tmp / "slurm"
 
     def preempted_then_requeued() -> dict:
         job = _slurm_job(tmp, dump, steps=STEPS)
@@ -91,10 +90,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> dict:
         requeues = (tmp / "scontrol.log").read_text() if (tmp / "scontrol.log").exists() else ""
         second = _finished(_slurm_job(tmp, dump, steps=STEPS))
         return {"first": first, "after_first": after_first, "requeues": requeues, "second": second,
-                "requeues_after": (tmp / "scontrol.log").read_text()}
+                "requeues_after": (tmp / "scontrol.log").read_text(), "reference": reference, "dump": dump}
 
-    _, result = together(lambda: train(reference, config=FLUX, via_run_train=True), preempted_then_requeued)
-    return {**result, "reference": reference, "dump": dump}
+    return [lambda: train(reference, config=FLUX, via_run_train=True), preempted_then_requeued]
+
+
+@pytest.fixture(scope="module")
+def slurm(runs: dict) -> dict:
+    return runs["slurm"]
 
 
 def test_slurm_usr1_to_the_batch_shell_checkpoints_and_requeues(slurm: dict) -> None:
@@ -117,7 +120,8 @@ def test_slurm_requeued_job_finishes_and_stops_requeueing(slurm: dict) -> None:
 # --- Kubernetes and torchrun restarts (2 processes, against the session's uninterrupted 2-process run) --------
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every engine's runs, side by side."""
     tmp = tmp_path_factory.mktemp("engines")
     k8s, restarted, control = tmp / "k8s", tmp / "restarted", tmp / "control"
 
@@ -144,10 +148,16 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return subprocess.run([*_launcher(dump, "--max-restarts", "1"), *extra], cwd=REPO, capture_output=True,
                               text=True, timeout=300, env=run_env({FAULT_ENV: "before_step:7:1:SIGKILL"}))
 
-    state, restart, control_run = together(kubernetes, lambda: crash(restarted),
-                                           lambda: crash(control, "--checkpoint.restore_rng", "false"))
+    state, restart, control_run, _, slurm_state = together(
+        kubernetes, lambda: crash(restarted), lambda: crash(control, "--checkpoint.restore_rng", "false"),
+        *_slurm_jobs(tmp))
     return {"k8s": k8s, **state, "restarted": restarted, "restart_run": restart, "control": control,
-            "control_run": control_run}
+            "control_run": control_run, "slurm": slurm_state}
+
+
+@pytest.fixture(scope="module")
+def engines(runs: dict) -> dict:
+    return runs
 
 
 def test_kubernetes_kill_during_the_save_leaves_no_incomplete_checkpoint_picked(engines: dict) -> None:
