@@ -26,6 +26,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
@@ -103,6 +104,19 @@ class ParallelPlan(ABC):
     def carries_streams(self) -> bool:
         """True when the global streams go on from step to step (saved and restored with the checkpoint);
         False when each step seeds them itself."""
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients by the total norm of the whole model's (``max_norm`` 0: off) and return
+        that norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
+        return self.world.rank, self.world.world_size
 
     def step_streams(self, step: int) -> ContextManager:
         """Within it, the global streams stand as the first micro-batch of ``step`` on this rank will draw them
