@@ -201,17 +201,22 @@ class PipelinePlan(DataParallelPlan):
         same on every rank."""
         assert self.split is not None
         accumulation, device = self.micro_batches_per_rank, self.world.device
-        self._loss_scale = float(self.pipeline_micro_batches * accumulation)
-        self._last_losses = []
+        micro_batches = self.pipeline_micro_batches
+        self._loss_scale = float(micro_batches * accumulation)
+        losses: list[torch.Tensor] = []
         for _ in range(accumulation):
             batch = to_device(next(batches), device)
             inputs = (batch[self.split.input_key],) if self._holds_first else ()
             target = batch[self.split.target_key] if self._holds_last else None
+            self._last_losses = []
             with self.compute_context():
                 self.schedule.step(*inputs, target=target, return_outputs=False)
+            # The micro-batches' losses are the last ones: the schedule's first run also calls the loss on
+            # uninitialised outputs while it sets the stages up.
+            losses += self._last_losses[len(self._last_losses) - micro_batches:]
         total = torch.zeros((), device=device)
         if self._holds_last:
-            total = torch.stack(self._last_losses).mean()
+            total = torch.stack(losses).mean()
         # Only the last stage's ranks add a loss: the sum over all ranks is the sum over the dp ranks.
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.dp
