@@ -17,8 +17,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
 from torchtitan_rng import resume, signals
 from torchtitan_rng.build import build_components
 from torchtitan_rng.checkpoint.manager import CheckpointManager

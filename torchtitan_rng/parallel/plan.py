@@ -8,14 +8,17 @@ resume, the launcher's preflight and the diagnosis ask the plan and never which 
   (:meth:`wrap`);
 * which micro-batches a rank runs (:meth:`batch_sampler`, :attr:`micro_batches_per_rank`) and how many samples
   a step takes (:attr:`samples_per_step`);
-* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`);
+* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`), and the norm they
+  are clipped by (:meth:`clip_grad_norm`);
+* which ranks read the same batches (:attr:`data_shard`);
 * which streams enter a step (:attr:`carries_streams`, :meth:`step_streams`, :meth:`data_position`);
 * what the checkpoint records about the layout, what a checkpoint of another layout or process count means
   (:meth:`record_parts`, :meth:`check_checkpoint`), and where the data stands after a resume
   (:meth:`position_data`).
 
-Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes) and
-``invariant/`` (world-size-invariant: the same bits at any process count).
+Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes),
+``pipeline.py`` (pipeline stages x FSDP2) and ``invariant/`` (world-size-invariant: the same bits at any
+process count).
 """
 
 from __future__ import annotations
