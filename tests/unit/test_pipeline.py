@@ -7,10 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.support.launch import REPO
 from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
+from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.parallel import plan_class
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
@@ -99,3 +104,16 @@ def test_a_layout_change_at_resume_is_refused_in_one_line(flag: str, value: str)
         f"--checkpoint.allow_config_change {key}" in message, message
     warnings = run_record.check_resume(Path("ckpt/step-2"), saved, changed, [key])
     assert len(warnings) == 1 and warnings[0].startswith(f"WARNING: {key} = "), warnings
+
+
+def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> None:
+    """A checkpoint of 4 processes resumed by 2: ordinary data parallelism may reseed, stages may not (the
+    reseeded data split counts processes, not data-parallel ranks)."""
+    dcp.save({TRAIN_STATE: {rank_key(rank): torch.tensor(rank) for rank in range(4)}}, checkpoint_id=str(tmp_path))
+    info = inspect_checkpoint(tmp_path)
+    assert DataParallelPlan.check_checkpoint(info, 2, "reseed") is True
+    with pytest.raises(CheckpointError) as refused:
+        PipelinePlan.check_checkpoint(info, 2, "reseed")
+    assert "saved by 4 processes and this run has 2" in str(refused.value)
+    assert "reseed" not in str(refused.value)
+    assert PipelinePlan.check_checkpoint(info, 4, "reseed") is False

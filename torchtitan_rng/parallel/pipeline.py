@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import DTensor
 
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
@@ -134,6 +135,12 @@ class PipelinePlan(DataParallelPlan):
             raise ConfigError(f"config {_KEY}_schedule = {par.pipeline_parallel_schedule!r} runs {per_rank} per "
                               f"rank, and {count} stages over pipeline_parallel_degree = {pp} do not; set "
                               f"{_KEY}_split_points to name {pp * (2 if multi else 1) - 1} split points")
+
+    @classmethod
+    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
+        """Only with the process count that saved it: the reseeded continuation re-splits the data by process
+        count, which with stages is not the data-parallel count (so ``on_world_size_change`` is not offered)."""
+        return super().check_checkpoint(info, world_size, None)
 
     @property
     def data_shard(self) -> tuple[int, int]:
