@@ -117,3 +117,10 @@ def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> No
     assert "saved by 4 processes and this run has 2" in str(refused.value)
     assert "reseed" not in str(refused.value)
     assert PipelinePlan.check_checkpoint(info, 4, "reseed") is False
+
+
+def test_sample_keys_are_those_of_each_ranks_data_parallel_column() -> None:
+    """pp 2 x dp 2: ranks 0 and 2 (dp rank 0) load what dp rank 0 of two processes would, ranks 1 and 3 dp 1's."""
+    config = _pp(2, "1F1B")
+    column = DataParallelPlan.step_sample_keys(config, 64, 2, 3)
+    assert PipelinePlan.step_sample_keys(config, 64, 4, 3) == [column[0], column[1], column[0], column[1]]

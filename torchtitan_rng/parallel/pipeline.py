@@ -142,6 +142,15 @@ class PipelinePlan(DataParallelPlan):
         count, which with stages is not the data-parallel count (so ``on_world_size_change`` is not offered)."""
         return super().check_checkpoint(info, world_size, None)
 
+    @classmethod
+    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
+        """Rank-major as the sample log gathers them: every rank of a dp column loads that column's batches."""
+        dp = world_size // config.parallelism.pipeline_parallel_degree
+        per_column = super().step_sample_keys(config, num_samples, dp, step)
+        accumulation = len(per_column) // dp
+        return [keys for rank in range(world_size)
+                for keys in per_column[(rank % dp) * accumulation:(rank % dp + 1) * accumulation]]
+
     @property
     def data_shard(self) -> tuple[int, int]:
         return self.dp_rank, self.dp
