@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rng import resume, signals
 from torchtitan_rng.build import build_components
@@ -37,14 +36,6 @@ from torchtitan_rng.rng import preserved_global_rng
 from torchtitan_rng.sample_log import SampleLog
 from torchtitan_rng.skips import apply_update, skipped_steps
 from torchtitan_rng.spike_guard import decisions
-
-
-def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The total norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
 
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
@@ -212,7 +203,7 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         loss_fn = self.faults.loss_fn(parts.loss_fn, step) if self.faults is not None else parts.loss_fn
         loss = self.plan.forward_backward(parts.model, parts.params, batches, loss_fn, step)
-        grad_norm = _clip_grad_norm(parts.params, config.training.max_norm)
+        grad_norm = self.plan.clip_grad_norm(parts.params, config.training.max_norm)
         lr = parts.lr_scheduler.get_last_lr()[0]
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
