@@ -9,10 +9,14 @@ Points, in the order a step meets them:
 
 * ``before_step``   right before step STEP starts (the previous step is complete and logged)
 * ``save_writing``  while DCP writes the checkpoint of STEP: half of this rank's items are handed to the
-  writer, the file is open (the folder is ``step-STEP.partial``)
+  writer, the file is open (the folder is ``step-STEP.partial``; on an object store, the upload of
+  ``step-STEP`` is under way)
 * ``save_written``  DCP has written everything of STEP, ``.metadata`` included, but the folder is still
   ``step-STEP.partial``
-* ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
+* ``save_marking``  ``run.json`` and ``checksums.json`` are written, the completion marker not yet (the
+  last moment before the checkpoint counts)
+* ``save_renamed``  ``step-STEP`` is in place (on an object store: marked complete); older checkpoints are
+  not pruned yet
 * ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
 
 Each armed entry fires once. Unset (the normal case), the trainer builds no injector and hands none to
@@ -31,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
-POINTS = ("before_step", "save_writing", "save_written", "save_renamed", "prune")
+POINTS = ("before_step", "save_writing", "save_written", "save_marking", "save_renamed", "prune")
 
 
 @dataclass(frozen=True)
