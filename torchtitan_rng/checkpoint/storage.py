@@ -248,12 +248,19 @@ class FsspecStorage(Storage):
         return SafeFsspecReader(self.display(folder), metadata)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Location:
-    """A path on a storage, with the path-like methods the checkpoint code uses. Nothing follows a link."""
+    """A path on a storage, with the path-like methods the checkpoint code uses. Nothing follows a link.
+    Two locations are equal when they name the same path (local) or URL."""
 
     storage: Storage
     path: str
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Location) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
 
     def __truediv__(self, name: str) -> Location:
         return Location(self.storage, self.storage.join(self.path, name))
