@@ -4,7 +4,7 @@
 One 2-process run signed with an HMAC key saves into ``s3://`` (asynchronously, ``keep_latest_k 2``) and
 stops at step 4; a second is killed by fault injection while uploading step 6; a third resumes and runs to
 step 8. Every logged loss equals the uninterrupted run's bit for bit. Beside the third, an unsigned run
-resumes from a copy of step 4 whose weights were changed and whose checksums.json was rewritten: it is
+starts from a copy of step 4 (``initial_load_path``, a URL) whose weights were changed and whose checksums.json was rewritten: it is
 accepted (nothing can tell) and its loss is not the reference's: the control of the comparison, and what the
 signature is for. Refusals (tampered and signed, damaged, key missing) need no training: the launcher's
 preflight refuses before any rank starts.
@@ -53,8 +53,9 @@ def _tamper(checkpoint: str, into: str, scratch: Path) -> None:
                                                             layout.MARKER_NAME)}
 
     def edit(state: dict) -> None:
-        name = min(key for key, value in state["model"].items() if value.is_floating_point())
-        state["model"][name].add_(1e-3)
+        # Scaled, not shifted: a constant added to every weight of some layers leaves the loss as it was.
+        name = next(key for key in sorted(state["model"]) if key.endswith("attn.qkv.weight"))
+        state["model"][name].mul_(1.01)
 
     rewrite_checkpoint(local, scratch, edit)
     for name, data in keep.items():
@@ -95,8 +96,8 @@ def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_proc
 
         facts["resumed"], facts["unsigned_tampered"] = together(
             lambda: train(dump, "--training.steps", "8", *COMMON, *STORE, *SIGNED, nproc=2, env=env),
-            lambda: train(tampered_dump, "--training.steps", "5", *COMMON, "--checkpoint.folder", tampered,
-                          nproc=2, env=env))
+            lambda: train(tampered_dump, "--training.steps", "6", *COMMON, "--checkpoint.initial_load_path",
+                          f"{tampered}/step-4", nproc=2, env=env))
         facts["after_resume"] = layout.scan(RUN)
         facts["objects"] = sorted(s3().find(f"{BUCKET}/run/checkpoint"))
         launch = {"nproc": 2, "check": False}
@@ -146,7 +147,7 @@ def test_control_without_the_key_the_tampered_checkpoint_loads_and_diverges(stor
     run = store["unsigned_tampered"]
     assert f"resumed from {store['urls']['tampered']}/step-4 at step 4" in run.stdout
     assert "is signed, and no signing key was given" in run.stdout
-    with pytest.raises(AssertionError, match="step 5:"):
+    with pytest.raises(AssertionError, match="step 5:"):  # the first step after the load
         assert_every_line_matches(store["reference"], store["root"] / "tampered_run")
 
 
