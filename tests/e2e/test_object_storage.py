@@ -147,7 +147,7 @@ def test_control_without_the_key_the_tampered_checkpoint_loads_and_diverges(stor
     run = store["unsigned_tampered"]
     assert f"resumed from {store['urls']['tampered']}/step-4 at step 4" in run.stdout
     assert "is signed, and no signing key was given" in run.stdout
-    with pytest.raises(AssertionError, match="step 5:"):  # the first step after the load
+    with pytest.raises(AssertionError, match=r"step [56]:"):  # the steps after the load
         assert_every_line_matches(store["reference"], store["root"] / "tampered_run")
 
 
