@@ -191,3 +191,15 @@ def test_a_signed_checkpoint_on_s3_is_refused_when_changed_and_resigned_without_
         s3().rm("unit/run/checkpoint/step-1/" + integrity.SIGNATURE_NAME)
         with pytest.raises(CheckpointError, match="it has no signature.json"):
             integrity.verify_signature(checkpoint, key)
+
+
+def test_the_launcher_check_refuses_a_url_without_its_backend_in_one_line(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    from torchtitan_rng.launch import preflight
+
+    config = str(Path(__file__).resolve().parents[2] / "train_configs" / "llama_debug.toml")
+    code = preflight.main(["--job.config_file", config, "--job.dump_folder", str(tmp_path / "run"),
+                           "--checkpoint.enable", "--checkpoint.folder", "gs://bucket/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: gs://bucket/run is on gs://") and "pip install 'torchtitan_rng[gcs]'" in err
