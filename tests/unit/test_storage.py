@@ -203,3 +203,14 @@ def test_the_launcher_check_refuses_a_url_without_its_backend_in_one_line(tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: gs://bucket/run is on gs://") and "pip install 'torchtitan_rng[gcs]'" in err
+
+
+def test_exact_resume_saves_to_and_loads_from_a_url() -> None:
+    from tests.support.tiny_loop import STEPS, tiny_loop, train_tiny_loop
+
+    folder = _memory_folder()
+    with tiny_loop(folder) as exact:
+        train_tiny_loop(exact)
+    assert layout.complete_steps(folder) == [STEPS]
+    with tiny_loop(folder) as again:
+        assert again.load() == STEPS and again.loaded_from == locate(folder) / f"step-{STEPS}"
