@@ -4,9 +4,9 @@ The same run's full synchronous save (model, optimizer, RNG, dataloader, train s
 CheckpointManager, into a local folder and into ``s3://`` on moto's server (its own process on 127.0.0.1,
 reached through ``AWS_ENDPOINT_URL`` as any S3 endpoint). A save on the store is the DCP upload, then
 ``checksums.json``, whose sums read every file back from the store (the local save sums the page cache),
-then the completion marker; the two phases are also timed alone.
+then the completion marker; the two phases are also timed alone. Uploads go in 256 MiB parts.
 
-    python -m bench.object_store_throughput [--quick] [--flavor small]
+    python -m bench.object_store_throughput [--quick] [--flavor bench]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import fsspec.config
+from fsspec.registry import get_filesystem_class
 import torch.distributed.checkpoint as dcp
 
 from bench.common import build_run, config_for, folder_bytes, median, parser, scratch_parent, spread, table, timed
@@ -27,6 +29,9 @@ from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.checkpoint.layout import step_dir
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.storage import locate
+
+
+PART_BYTES = 256 * 2**20
 
 
 def _free_port() -> int:
@@ -53,35 +58,38 @@ def start_s3_server() -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0])
-    args.add_argument("--flavor", default="small", help="llama flavor (default small: about 1 GB of state)")
+    args.add_argument("--flavor", default="bench", help="llama flavor (default bench: 979 MiB of state)")
     args = args.parse_args()
     repeats = 2 if args.quick else 4
-    server, endpoint = start_s3_server()
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1")
-    try:
-        run = build_run(config_for("--model.flavor", args.flavor))
-        bucket = locate("s3://bench/checkpoint")
-        bucket.storage.fs.mkdir("bench")
-        mbs: dict[str, list[float]] = {"disk": [], "s3": [], "s3 upload": [], "s3 checksums": []}
-        with tempfile.TemporaryDirectory(dir=scratch_parent()) as scratch:
-            local = CheckpointManager(Path(scratch) / "checkpoint", run.parts, interval=1)
-            remote = CheckpointManager(bucket, run.parts, interval=1)
-            for index in range(repeats):
-                seconds = timed(lambda: local.save(index))
-                size = folder_bytes(step_dir(local.folder, index))
-                shutil.rmtree(step_dir(local.folder, index))
-                mbs["disk"].append(size / seconds / 1e6)
+    # 256 MiB parts: moto's server loses parts of a multipart upload of ~20 (s3fs's default 50 MiB parts of a
+    # 979 MiB file: "seek of closed file", an Internal Server Error); fsspec's config is how a user sets it too.
+    fsspec.config.conf.setdefault("s3", {})["default_block_size"] = PART_BYTES
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    run = build_run(config_for("--model.flavor", args.flavor))
+    mbs: dict[str, list[float]] = {"disk": [], "s3": [], "s3 upload": [], "s3 checksums": []}
+    with tempfile.TemporaryDirectory(dir=scratch_parent()) as scratch:
+        local = CheckpointManager(Path(scratch) / "checkpoint", run.parts, interval=1)
+        for index in range(repeats):
+            seconds = timed(lambda: local.save(index))
+            size = folder_bytes(step_dir(local.folder, index))
+            shutil.rmtree(step_dir(local.folder, index))
+            mbs["disk"].append(size / seconds / 1e6)
+            # A fresh server for each round: moto's server failed a second ~1 GB multipart upload after the
+            # first one's objects were deleted (an Internal Server Error), a fault of the test server.
+            server, os.environ["AWS_ENDPOINT_URL"] = start_s3_server()
+            get_filesystem_class("s3").clear_instance_cache()  # a cached instance knows the last endpoint
+            try:
+                bucket = locate("s3://bench/checkpoint")
+                bucket.storage.fs.mkdir("bench")
+                remote = CheckpointManager(bucket, run.parts, interval=1)
                 mbs["s3"].append(size / timed(lambda: remote.save(index)) / 1e6)
-                (bucket / f"step-{index}").remove()
                 upload = bucket / f"upload-{index}"
                 mbs["s3 upload"].append(size / timed(lambda: dcp.save(dict(run.parts), storage_writer=upload.writer()))
                                         / 1e6)
                 mbs["s3 checksums"].append(size / timed(lambda: integrity.write_checksums(upload)) / 1e6)
-                upload.remove()
-    finally:
-        server.terminate()
-        server.wait()
+            finally:
+                server.terminate()
+                server.wait()
     table(
         f"Object storage: checkpoint write throughput, local S3 server (moto) vs local disk (llama {args.flavor}, "
         f"{size / 2**20:.0f} MiB, {repeats} saves each, disk: {scratch_parent()})",

@@ -6,7 +6,8 @@ stops at step 4; a second is killed by fault injection while uploading step 6; a
 step 8. Every logged loss equals the uninterrupted run's bit for bit. Beside the third, an unsigned run
 starts from a copy of step 4 (``initial_load_path``, a URL) whose weights were changed and whose checksums.json was rewritten: it is
 accepted (nothing can tell) and its loss is not the reference's: the control of the comparison, and what the
-signature is for. Refusals (tampered and signed, damaged, key missing) need no training: the launcher's
+signature is for; and a one-process run resumes a local folder among symlinks and files named step-N that it
+did not write. Refusals (tampered and signed, damaged, key missing) need no training: the launcher's
 preflight refuses before any rank starts.
 """
 
@@ -68,11 +69,26 @@ def _tamper(checkpoint: str, into: str, scratch: Path) -> None:
     _upload(local, into)
 
 
+def _foreign_entries(dump: Path, elsewhere: Path) -> dict[str, str]:
+    """Put into a dump folder's checkpoint folder what a person might: a symlink step-999 to another run's
+    checkpoint, a file, a dangling link and a link loop named step-N. Returns the links' targets."""
+    folder = dump / "checkpoint"
+    shutil.copytree(folder / "step-2", elsewhere / "step-20")
+    (folder / "step-999").symlink_to(elsewhere / "step-20")
+    (folder / "step-7").write_text("notes\n")
+    (folder / "step-8").symlink_to(elsewhere / "nowhere")
+    (folder / "step-9").symlink_to(folder / "step-9")
+    return {name: os.readlink(folder / name) for name in ("step-999", "step-8", "step-9")}
+
+
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_processes: Path) -> dict:
-    """The runs above, on one S3 server; the facts the tests check, recorded as they happen."""
+def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_processes: Path, saved: Path) -> dict:
+    """The runs above, on one S3 server, and beside them a local run among entries it did not write; the
+    facts the tests check, recorded as they happen."""
     root = tmp_path_factory.mktemp("object_storage")
     dump, tampered_dump, local_dump = root / "run", root / "tampered_run", root / "local_run"
+    shutil.copytree(saved, local_dump)
+    links = _foreign_entries(local_dump, root / "other_run")
     with s3_server(BUCKET) as env:
         env = {**env, KEY_ENV: "a secret of this run"}
         facts: dict = {"env": env, "root": root, "reference": llama_uninterrupted_two_processes}
@@ -94,10 +110,14 @@ def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_proc
         data[len(data) // 2] ^= 0x01
         fs.pipe_file(shard, bytes(data))
 
-        facts["resumed"], facts["unsigned_tampered"] = together(
+        facts["resumed"], facts["unsigned_tampered"], facts["local"] = together(
             lambda: train(dump, "--training.steps", "8", *COMMON, *STORE, *SIGNED, nproc=2, env=env),
             lambda: train(tampered_dump, "--training.steps", "6", *COMMON, "--checkpoint.initial_load_path",
-                          f"{tampered}/step-4", nproc=2, env=env))
+                          f"{tampered}/step-4", nproc=2, env=env),
+            # The saved run's horizon (tests/support/launch.STEP2); keep_latest_k 1 prunes step-2 at step 4.
+            lambda: train(local_dump, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                          "--lr_scheduler.total_steps", "4", "--checkpoint.keep_latest_k", "1"))
+        facts["links"], facts["saved"] = links, saved
         facts["after_resume"] = layout.scan(RUN)
         facts["objects"] = sorted(s3().find(f"{BUCKET}/run/checkpoint"))
         launch = {"nproc": 2, "check": False}
@@ -162,26 +182,18 @@ def test_a_missing_signing_key_is_refused(store: dict) -> None:
 
 # --- only what the run wrote, on a local folder ---------------------------------------------------------
 
-def test_entries_the_run_did_not_write_are_never_followed_renamed_or_deleted(user_dump: Path,
-                                                                              tmp_path: Path) -> None:
+def test_entries_the_run_did_not_write_are_never_followed_renamed_or_deleted(store: dict) -> None:
     """A symlink step-999 to another run's checkpoint, a file, a dangling link and a link loop named step-N:
     the run resumes from its own step-2, names each, and pruning (keep_latest_k 1) deletes only step-2."""
-    folder = user_dump / "checkpoint"
-    other = tmp_path / "other_run"
-    shutil.copytree(folder / "step-2", other / "step-20")
-    (folder / "step-999").symlink_to(other / "step-20")
-    (folder / "step-7").write_text("notes\n")
-    (folder / "step-8").symlink_to(tmp_path / "nowhere")
-    (folder / "step-9").symlink_to(folder / "step-9")
-    before = {name: os.readlink(folder / name) for name in ("step-999", "step-8", "step-9")}
-    run = train(user_dump, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--lr_scheduler.total_steps", "4", "--checkpoint.keep_latest_k", "1")
+    folder, other = store["root"] / "local_run" / "checkpoint", store["root"] / "other_run"
+    run = store["local"]
     assert f"resumed from {folder / 'step-2'} at step 2" in run.stdout
     for name, what in (("step-999", "a symlink"), ("step-8", "a symlink"), ("step-9", "a symlink"),
                        ("step-7", "a file")):
         assert f"note: {folder / name} is {what}" in run.stdout
     assert sorted(entry.name for entry in folder.iterdir()) == ["step-4", "step-7", "step-8", "step-9", "step-999"]
-    assert {name: os.readlink(folder / name) for name in before} == before
+    assert {name: os.readlink(folder / name) for name in store["links"]} == store["links"]
     assert (folder / "step-7").read_text() == "notes\n"
-    assert (other / "step-20" / ".metadata").is_file()
-    assert subprocess.run(["diff", "-r", str(folder / "step-999"), str(other / "step-20")]).returncode == 0
+    # The other run's checkpoint behind step-999: still the one copied there.
+    assert subprocess.run(["diff", "-r", str(store["saved"] / "checkpoint" / "step-2"),
+                           str(other / "step-20")]).returncode == 0

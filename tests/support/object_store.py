@@ -23,16 +23,25 @@ def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    _forget_endpoints()
     try:
         s3().mkdir(bucket)
         yield env
     finally:
         server.stop()
+        _forget_endpoints()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _forget_endpoints() -> None:
+    """s3fs keeps its instances, each bound to the endpoint it first connected to (another test's server)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def s3() -> Any:
