@@ -61,9 +61,11 @@ def main() -> None:
     args.add_argument("--flavor", default="bench", help="llama flavor (default bench: 979 MiB of state)")
     args = args.parse_args()
     repeats = 2 if args.quick else 4
-    # One PUT per file, no multipart upload: moto's server loses parts of a ~1 GB multipart upload ("seek of
-    # closed file", an Internal Server Error), with s3fs's 50 MiB parts and with 256 MiB ones. A real store
-    # takes parts; fsspec's config (``default_block_size``) is how a user sets their size.
+    # One PUT per file, no multipart upload: moto's server lost parts of a ~1 GB multipart upload here ("seek
+    # of closed file", an Internal Server Error) with s3fs's 50 MiB parts and with 256 MiB ones; with one PUT
+    # its process went away during the second ~1 GB upload (load average ~50). ``--flavor small`` (38 MiB)
+    # measures; the bench flavor needs a sturdier server. fsspec's config (``default_block_size``) is how a
+    # user sets the part size for a real store.
     fsspec.config.conf.setdefault("s3", {})["default_block_size"] = PART_BYTES
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     run = build_run(config_for("--model.flavor", args.flavor))
