@@ -153,11 +153,12 @@ class LRScheduler:
 class Checkpoint:
     enable: bool = _key(False, "save checkpoints, and resume from the newest complete one at start (a stop signal "
                         "saves even when off)")
-    folder: str = _key("checkpoint", "the checkpoint folder, under job.dump_folder")
+    folder: str = _key("checkpoint", "the checkpoint folder, under job.dump_folder; or a URL on its own (s3://bucket/"
+                       "prefix, gs://..., file:///path; docs/storage.md)")
     interval: int = _key(10, "save every N steps (and at the last step)")
     load_step: int = _key(-1, "resume from this step instead of the newest complete checkpoint; -1: newest")
     keep_latest_k: int = _key(0, "keep only the newest k complete checkpoints; 0: all")
-    initial_load_path: str = _key("", "a step-N folder, or a folder of them, to start from when the dump folder has "
+    initial_load_path: str = _key("", "a step-N folder, or a folder of them (a path or a URL), to start from when the dump folder has "
                                   "no checkpoint yet")
     exclude_from_loading: list[str] = _key([], "checkpoint parts not to load, any of: model, optimizer, "
                                            "lr_scheduler, dataloader, train_state")
@@ -173,6 +174,9 @@ class Checkpoint:
                                           "and Python streams are restored, the device stream reseeded (inexact)")
     allow_config_change: list[str] = _key([], "keys (section.key) that may differ from the checkpoint's run.json, "
                                           "a WARNING each; any other trajectory change is refused")
+    signing_key_env: str = _key("", "the NAME of an environment variable holding a secret key: each checkpoint's "
+                                "checksums are signed with it (HMAC-SHA256) and a resume refuses one whose "
+                                "signature does not match; empty: unsigned")
 
 
 @dataclass

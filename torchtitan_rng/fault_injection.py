@@ -15,10 +15,14 @@ Points, in the order a run meets them:
 * ``before_step``   right before step STEP starts (the previous step is complete and logged)
 * ``validation``    step STEP has trained and is about to validate (``validation.enable``)
 * ``save_writing``  while DCP writes the checkpoint of STEP: half of this rank's items are handed to the
-  writer, the file is open (the folder is ``step-STEP.partial``)
+  writer, the file is open (the folder is ``step-STEP.partial``; on an object store, the upload of
+  ``step-STEP`` is under way)
 * ``save_written``  DCP has written everything of STEP, ``.metadata`` included, but the folder is still
   ``step-STEP.partial``
-* ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
+* ``save_marking``  ``run.json`` and ``checksums.json`` are written, the completion marker not yet (the
+  last moment before the checkpoint counts)
+* ``save_renamed``  ``step-STEP`` is in place (on an object store: marked complete); older checkpoints are
+  not pruned yet
 * ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
 
 and one that fires no signal: ``loss_spike`` multiplies every micro-batch loss of STEP on RANK by
@@ -48,8 +52,8 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
 HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
-POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_renamed", "prune",
-          "loss_spike")
+POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_marking", "save_renamed",
+          "prune", "loss_spike")
 HOLD = 0  # the action "hold" (no signal has number 0)
 LOSS_SPIKE_FACTOR = 1000.0
 

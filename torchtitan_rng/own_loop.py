@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.layout import resolve_checkpoint
+from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
@@ -267,7 +268,7 @@ class ExactResume:
         self.train_state = TrainState(device or _model_device(model), self.rank, self.world_size)
         parts = checkpoint_parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader,
                                  train_state=self.train_state, extras=extra)
-        self.manager = CheckpointManager(Path(folder), parts, interval=interval, keep_latest_k=keep_latest_k,
+        self.manager = CheckpointManager(folder, parts, interval=interval, keep_latest_k=keep_latest_k,
                                          rank=self.rank)
         self.optimizer = optimizer
         # As built (the record holds them as JSON): allow_changes puts these back over the loaded ones.
@@ -278,7 +279,7 @@ class ExactResume:
         self.record = run_record.make_record(_record_values(model, optimizer, dataloader, self.world_size, config),
                                              None)
         self.manager.run_record = self.record
-        self.loaded_from: Path | None = None
+        self.loaded_from: Path | Location | None = None
         self._load_called = False
         self._step_at_load = 0
         if dataloader is not None:
@@ -372,7 +373,7 @@ class ExactResume:
             seed_training_streams(self.seed, self.rank)
         return False
 
-    def _apply_allowed_changes(self, checkpoint: Path) -> None:
+    def _apply_allowed_changes(self, checkpoint: Path | Location) -> None:
         """The optimizer hyperparameters that ``allow_changes`` let differ: the values built with, not the
         checkpoint's (which loading the optimizer's state put back)."""
         saved = run_record.read_record(checkpoint)
@@ -405,7 +406,7 @@ class ExactResume:
                 "first step"
             )
 
-    def maybe_save(self, step: int, *, last_step: int) -> Path | None:
+    def maybe_save(self, step: int, *, last_step: int) -> Path | Location | None:
         """Record that ``step`` finished; save when it is a multiple of ``interval`` or ``last_step``.
 
         Call it on every rank at the end of every step (saving is a collective). Returns the checkpoint
@@ -414,7 +415,7 @@ class ExactResume:
         self.train_state.step = step
         return self.manager.save(step, last_step=last_step)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> Path | Location:
         """Save now, as the checkpoint of finished step ``step`` (e.g. on a stop signal); a collective."""
         self.train_state.step = step
         path = self.manager.save(step, force=True)

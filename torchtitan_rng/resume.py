@@ -28,8 +28,9 @@ from typing import Any, Callable
 import torch
 
 from torchtitan_rng import skips
-from torchtitan_rng.checkpoint import layout, run_record
+from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
@@ -79,7 +80,17 @@ def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
 
 
 # --- which checkpoint, and may it be resumed --------------------------------------------------------------
-def checkpoint_to_resume(config: JobConfig) -> Path | None:
+def folder_of(config: JobConfig) -> Location:
+    """The run's checkpoint folder: checkpoint.folder under the dump folder, or the URL it names."""
+    return checkpoint_folder(config.job.dump_folder, config.checkpoint.folder)
+
+
+def signing_of(config: JobConfig) -> integrity.SigningKey | None:
+    """The key checkpoints are signed with (checkpoint.signing_key_env); refused when the variable is unset."""
+    return integrity.signing_key(config.checkpoint.signing_key_env)
+
+
+def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
     """The checkpoint this config resumes from (None: a fresh start); its choice of parts is checked too."""
     ckpt = config.checkpoint
     for name in ckpt.exclude_from_loading:
@@ -90,17 +101,17 @@ def checkpoint_to_resume(config: JobConfig) -> Path | None:
         if ckpt.initial_load_path or ckpt.load_step >= 0:
             raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
         return None
-    return layout.resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step,
-                                     ckpt.initial_load_path)
+    return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
-def vet_for(config: JobConfig, path: Path, record: dict[str, Any], world_size: int | None,
+def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], world_size: int | None,
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
     rule = plan_class(config)
     return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
-               record=record, allowed=config.checkpoint.allow_config_change, device=device)
+               record=record, allowed=config.checkpoint.allow_config_change, device=device,
+               signing=signing_of(config))
 
 
 # --- loading, and how the streams start ---------------------------------------------------------------------
@@ -113,9 +124,12 @@ class StreamPlan:
 
 
 def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManager, train_state: TrainState,
-           sampler: Any, log: Callable[[str], None]) -> tuple[StreamPlan, Path | None]:
+           sampler: Any, log: Callable[[str], None]) -> tuple[StreamPlan, Path | Location | None]:
     """Load the checkpoint to start from, if any; returns how the random streams start and the checkpoint loaded
     (None: a fresh start). ``log`` prints on rank 0."""
+    if config.checkpoint.enable:
+        for line in layout.ignored_entries(checkpointer.folder):
+            log(f"note: {line}")
     path = checkpoint_to_resume(config)
     if path is None:
         return StreamPlan("fresh"), None
@@ -142,7 +156,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     return plan_streams(config, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
 
 
-def plan_streams(config: JobConfig, train_state: TrainState, path: Path, reseeded: bool, no_rng: bool,
+def plan_streams(config: JobConfig, train_state: TrainState, path: Path | Location, reseeded: bool, no_rng: bool,
                  world_size: int, warn: Callable[[str], None]) -> StreamPlan:
     """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
     ckpt = config.checkpoint

@@ -85,7 +85,7 @@ class Trainer:
                                  dataloader=parts.dataloader)
         self.skipped_steps = skipped_steps(config)
         self.checkpointer = CheckpointManager(
-            self.dump_folder / config.checkpoint.folder,
+            resume.folder_of(config),
             parts.checkpoint_parts(),
             interval=config.checkpoint.interval,
             enable=config.checkpoint.enable,
@@ -94,6 +94,7 @@ class Trainer:
             async_mode=config.checkpoint.async_mode,
             hooks=self.faults,
             log=self._log,
+            signing=resume.signing_of(config),
         )
         self.checkpointer.run_record = resume.build_record(config, parts.dataset)
         self._closing.callback(lambda: self.checkpointer.close(abandon=self._failed))

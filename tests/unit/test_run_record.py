@@ -15,7 +15,7 @@ import torch
 
 from tests.support.launch import REPO
 from torchtitan_rng import resume
-from torchtitan_rng.checkpoint import integrity, run_record
+from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.checkpoint.layout import CheckpointError, rank_key
@@ -160,7 +160,9 @@ def _flip_bit(path: Path, offset: int) -> None:
 
 def test_checksums_cover_every_file(checkpoint: Path) -> None:
     written = json.loads((checkpoint / integrity.CHECKSUMS_NAME).read_text())
-    assert sorted(written) == sorted(p.name for p in checkpoint.iterdir() if p.name != integrity.CHECKSUMS_NAME)
+    # Everything but itself and the completion marker, which are written after it.
+    assert sorted(written) == sorted(p.name for p in checkpoint.iterdir()
+                                     if p.name not in (integrity.CHECKSUMS_NAME, layout.MARKER_NAME))
     assert {".metadata", "run.json"} <= set(written)
     assert verify_integrity(checkpoint) is True
 

@@ -3,7 +3,9 @@
 What a checkpoint holds (the whole format, with examples: docs/checkpoint_format.md):
 
 ``{folder}/step-N/`` — written as ``step-N.partial`` and renamed once every rank has finished (layout.py), so
-a ``step-N`` with DCP's ``.metadata`` is complete; ``step-N.deleting`` is a pruned one being removed.
+a ``step-N`` with DCP's ``.metadata`` is complete; ``step-N.deleting`` is a pruned one being removed. The
+folder may be a URL (storage.py: a local folder or an fsspec store behind one interface); a store cannot
+rename, so there a ``step-N/`` counts once ``complete.json``, written last, is in it.
 
 * ``.metadata`` and ``__{rank}_{i}.distcp``: one torch.distributed.checkpoint state dict whose top-level keys
   are the parts (layout.PARTS, assembled by states.checkpoint_parts):
@@ -22,9 +24,11 @@ a ``step-N`` with DCP's ``.metadata`` is complete; ``step-N.deleting`` is a prun
   rank) and are one ``bytes`` item each, encoded without pickle (codec.py). The number of
   ``train_state.rank_{r}`` keys is the process count that saved the checkpoint.
 * ``run.json`` — the resolved config, a fingerprint of the data and the versions (run_record.py).
-* ``checksums.json`` — size and a 128-bit sum of every other file, written last (integrity.py).
+* ``checksums.json`` — size and a 128-bit sum of every other file (integrity.py); with a signing key,
+  ``signature.json`` — its HMAC-SHA256.
+* ``complete.json`` — the completion marker, ``{"step": N}``, written last (layout.py).
 
-Before a load, vetting.py decides whether the checkpoint may be resumed (whole, layout, checksums, run
-record, in that order); loading reads ``.metadata`` with an unpickler that knows only DCP's classes and every
+Before a load, vetting.py decides whether the checkpoint may be resumed (signature, whole, layout, checksums,
+run record, in that order); loading reads ``.metadata`` with an unpickler that knows only DCP's classes and every
 other non-tensor item with ``weights_only=True`` (safe_load.py).
 """

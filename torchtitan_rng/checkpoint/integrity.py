@@ -7,64 +7,136 @@ sum of each 32 KiB block's sum weighted by its position (mod 2**64). Any single 
 ``s1``; a truncated or extended file changes the size; blocks moved within a file change ``s2``. It finds
 damage (disk, copy, transfer), not tampering: whoever can edit a shard can edit this file too. zlib's
 crc32 ran at about 1 GB/s here, which would have made a save about 1.4x slower; this sums a memory-mapped
-file at ~20 GB/s.
+file at ~20 GB/s (on an object store, the file as it streams back from the store).
+
+Tampering: with a signing key (:func:`signing_key`, from an environment variable the user names), rank 0
+also writes ``signature.json``, an HMAC-SHA256 of ``checksums.json`` under that key. A resume with the key
+checks it before anything else is read (:func:`verify_signature`): whoever changes a file and rewrites
+``checksums.json`` without the key is refused, naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
-import mmap
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
 
+from torchtitan_rng.checkpoint.layout import MARKER_NAME
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import CheckpointError
 
 CHECKSUMS_NAME = "checksums.json"
+SIGNATURE_NAME = "signature.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
 VERIFIED_ENV = "TORCHTITAN_RNG_VERIFIED_CHECKPOINT"
-_WORDS_PER_BLOCK = 4096  # 32 KiB
+BLOCK_BYTES = 32 * 1024
+_WORDS_PER_BLOCK = BLOCK_BYTES // 8
 _MASK = (1 << 64) - 1
+# Written after the checksums, so not covered by them: the signature of checksums.json, the completion marker.
+_UNSUMMED = {CHECKSUMS_NAME, SIGNATURE_NAME, MARKER_NAME}
 
 
-def file_sum(path: Path) -> str:
-    """The 128-bit Fletcher-style sum of a file as 32 hex digits (see the module's docstring). The file is
-    memory-mapped: NumPy sums the page cache in place, with no copy."""
-    size = path.stat().st_size
-    if size == 0:
-        return "0" * 32
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        words = np.frombuffer(mapped, dtype="<u8", count=size // 8)
-        whole = len(words) - len(words) % _WORDS_PER_BLOCK
-        blocks = words[:whole].reshape(-1, _WORDS_PER_BLOCK).sum(axis=1, dtype=np.uint64)
-        last = int(words[whole:].sum(dtype=np.uint64))
-        del words  # no view of the mapping may outlive it
-        tail = bytes(mapped[size - size % 8 :])
-    if whole * 8 < size:  # a last, partial block; the file's last bytes zero-padded to a word (size is recorded)
-        last += int.from_bytes(tail.ljust(8, b"\0"), "little") if tail else 0
+def file_sum(path: Location | Path) -> str:
+    """The 128-bit Fletcher-style sum of a file as 32 hex digits (see the module's docstring), over the
+    buffers its storage hands out (a local file: memory-mapped, summed in place with no copy)."""
+    block_sums: list[np.ndarray] = []
+    rest = b""  # the last, partial block's bytes (only the last buffer has them)
+    for chunk in locate(path).chunks():
+        whole = len(chunk) - len(chunk) % BLOCK_BYTES
+        words = np.frombuffer(chunk, dtype="<u8", count=whole // 8)
+        block_sums.append(words.reshape(-1, _WORDS_PER_BLOCK).sum(axis=1, dtype=np.uint64))
+        del words  # no view of a mapping may outlive it
+        rest = bytes(chunk[whole:])
+    blocks = np.concatenate(block_sums) if block_sums else np.zeros(0, dtype=np.uint64)
+    if rest:  # a last, partial block; the file's last bytes zero-padded to a word (size is recorded)
+        full = len(rest) - len(rest) % 8
+        last = int(np.frombuffer(rest, dtype="<u8", count=full // 8).sum(dtype=np.uint64))
+        last += int.from_bytes(rest[full:].ljust(8, b"\0"), "little") if rest[full:] else 0
         blocks = np.append(blocks, np.uint64(last & _MASK))
+    if not len(blocks):
+        return "0" * 32
     # uint64 array arithmetic wraps mod 2**64 (silently, unlike NumPy scalars).
     s1 = int(blocks.sum(dtype=np.uint64))
     s2 = int(np.dot(blocks, np.arange(1, len(blocks) + 1, dtype=np.uint64)))
     return f"{s1:016x}{s2:016x}"
 
 
-def _files(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.rglob("*") if path.is_file() and path.name != CHECKSUMS_NAME)
+@dataclass(frozen=True)
+class SigningKey:
+    """A key for :func:`write_checksums` and :func:`verify_signature`, and the variable it came from."""
+
+    env: str
+    key: bytes
 
 
-def write_checksums(folder: Path) -> None:
-    """Record every file of a finished checkpoint folder (call it after the last file is written)."""
-    sums = {path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sum": file_sum(path)}
-            for path in _files(folder)}
-    (folder / CHECKSUMS_NAME).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+def signing_key(env: str) -> SigningKey | None:
+    """The key in environment variable ``env`` ("": no signing); a named variable that is unset or empty is
+    refused, so a missing key never means an unsigned save or an unchecked load."""
+    if not env:
+        return None
+    value = os.environ.get(env, "")
+    if not value:
+        raise CheckpointError(f"checkpoints are signed with the key in ${env}, but ${env} is not set in this "
+                              "process's environment: set it (the same key as at save) in every process")
+    return SigningKey(env, value.encode())
 
 
-def verify_integrity(folder: Path) -> bool:
+def _hmac(key: SigningKey, checksums: bytes) -> str:
+    return hmac.new(key.key, checksums, hashlib.sha256).hexdigest()
+
+
+def write_checksums(folder: Location | Path, key: SigningKey | None = None) -> None:
+    """Record every file of a finished checkpoint folder (call it after the last file is written); with a
+    key, sign the record."""
+    folder = locate(folder)
+    sums = {name: {"bytes": (folder / name).size(), "sum": file_sum(folder / name)}
+            for name in folder.files() if name not in _UNSUMMED}
+    record = (json.dumps(sums, indent=1, sort_keys=True) + "\n").encode()
+    (folder / CHECKSUMS_NAME).write_bytes(record)
+    if key is not None:
+        (folder / SIGNATURE_NAME).write_text(json.dumps({"algorithm": "hmac-sha256", "key_env": key.env,
+                                                         "hmac": _hmac(key, record)}, indent=1) + "\n")
+
+
+def verify_signature(folder: Location | Path, key: SigningKey | None) -> list[str]:
+    """With a key: CheckpointError unless ``checksums.json`` carries this key's signature. Without one:
+    a note when the checkpoint is signed all the same (it cannot be checked here). Reads two small files."""
+    folder = locate(folder)
+    signature = folder / SIGNATURE_NAME
+    if key is None:
+        return ([f"note: checkpoint {folder} is signed, and no signing key was given: its signature is not "
+                 "checked"] if signature.is_file() else [])
+    checksums = folder / CHECKSUMS_NAME
+    if not checksums.is_file():
+        _refuse(folder, f"it has no {CHECKSUMS_NAME}, so nothing in it is signed")
+    if not signature.is_file():
+        _refuse(folder, f"it has no {SIGNATURE_NAME} (saved unsigned, or the signature was removed)")
+    try:
+        expected = str(json.loads(signature.read_text())["hmac"])
+    except (OSError, ValueError, TypeError, KeyError):
+        _refuse(folder, f"{SIGNATURE_NAME} is not the JSON written at save")
+    if not hmac.compare_digest(_hmac(key, checksums.read_bytes()), expected):
+        _refuse(folder, f"{CHECKSUMS_NAME} does not match its signature under the key in ${key.env} (changed "
+                        "after the save, or signed with another key)")
+    return []
+
+
+def _refuse(folder: Location, why: str) -> NoReturn:
+    raise CheckpointError(f"checkpoint {folder} is refused: {why}; it may have been tampered with: resume from "
+                          "a checkpoint signed with this key (load_step=), or check the key")
+
+
+def verify_integrity(folder: Location | Path) -> bool:
     """True when every recorded file is there unchanged; False when the checkpoint has no checksums (saved
     by an older version); CheckpointError naming the first file that differs. Reads every byte: call it
     once per resume, on one process."""
+    folder = locate(folder)
     record = folder / CHECKSUMS_NAME
     if not record.is_file():
         return False
@@ -77,7 +149,7 @@ def verify_integrity(folder: Path) -> bool:
         path = folder / name
         if not path.is_file():
             _damaged(folder, f"{name} is missing")
-        actual = path.stat().st_size
+        actual = path.size()
         if actual != size:
             _damaged(folder, f"{name} has {actual} bytes, {size} were written")
         if file_sum(path) != digest:
@@ -85,6 +157,6 @@ def verify_integrity(folder: Path) -> bool:
     return True
 
 
-def _damaged(folder: Path, what: str) -> NoReturn:
+def _damaged(folder: Location, what: str) -> NoReturn:
     raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with load_step= "
                           "(or move it away)")

@@ -1,11 +1,22 @@
 """The checkpoint layout, in one place: part names, per-rank keys, ``step-N`` folders and which one a run
 starts from.
 
-A save writes ``step-N.partial`` and renames it to ``step-N`` once every rank has finished, so a folder
-named ``step-N`` with DCP's ``.metadata`` is complete by construction: a crash mid-save leaves only a
-``.partial`` folder, which is never picked. Pruning renames ``step-N`` to ``step-N.deleting`` before
-deleting it, so a crash mid-prune never leaves a half-deleted ``step-N`` either. A ``step-N`` without
-``.metadata`` is therefore not ours (a copy cut short, a damaged disk) and is reported, not skipped.
+A checkpoint counts only when complete, and only when this code wrote it:
+
+* On a storage that renames atomically (a local folder, storage.py), a save writes ``step-N.partial`` and
+  renames it to ``step-N`` once every rank has finished, so a ``step-N`` folder with DCP's ``.metadata`` is
+  complete by construction: a crash mid-save leaves only a ``.partial`` folder, which is never picked.
+  Pruning renames ``step-N`` to ``step-N.deleting`` before deleting it, so a crash mid-prune never leaves a
+  half-deleted ``step-N`` either. A ``step-N`` folder without ``.metadata`` is therefore not ours (a copy cut
+  short, a damaged disk) and is reported, not skipped.
+* On an object store (no rename), a save writes ``step-N/`` in place and ``complete.json`` (the completion
+  marker, ``{"step": N}``) last, after the checksums; a ``step-N/`` without it is a save cut short, never
+  picked. Pruning deletes the marker first.
+
+Either way the marker, written last, names the step the folder was saved as. Entries named ``step-N`` that
+this code did not write are ignored by name (:func:`ignored_entries`), never followed, renamed or deleted:
+anything that is not a real folder (a symlink, dangling or looping; a file), or a folder whose marker names
+another step (a copy under another name).
 
 Errors name the parameters of the functions here (``load_step=``); the trainer words them as its flags
 (``config.as_flags``).
@@ -13,10 +24,13 @@ Errors name the parameters of the functions here (``load_step=``); the trainer w
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import CheckpointError
 
 # The parts every checkpoint of a run holds, by name (the top-level keys of DCP's state dict).
@@ -29,6 +43,8 @@ PARTS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)
 
 PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
+MARKER_NAME = "complete.json"  # written last into a finished save: {"step": N}
+METADATA_NAME = ".metadata"  # DCP's index
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Per-rank values live under rank-unique keys: DCP keeps only one copy of a same-key non-DTensor value saved
 # from every rank, so a shared key would hand every rank rank 0's value on load.
@@ -64,44 +80,109 @@ def saved_world_size(keys: Iterable[str]) -> int | None:
     return count or None
 
 
-def step_dir(folder: Path, step: int) -> Path:
-    return folder / f"step-{step}"
+Folder = Path | str | Location  # a local path, a URL, or a location (storage.locate)
 
 
-def partial_dir(folder: Path, step: int) -> Path:
-    """Where the save of ``step`` is written before it is complete."""
-    return folder / f"step-{step}{PARTIAL_SUFFIX}"
+def step_dir(folder: Folder, step: int) -> Path | Location:
+    """The folder of the checkpoint of ``step`` (a ``Path`` when local)."""
+    return (locate(folder) / f"step-{step}").native
 
 
-def deleting_dir(folder: Path, step: int) -> Path:
-    """Where a pruned ``step-N`` goes before it is deleted."""
-    return folder / f"step-{step}{DELETING_SUFFIX}"
+def partial_dir(folder: Folder, step: int) -> Location:
+    """Where the save of ``step`` is written before it is complete (where folders are renamed atomically)."""
+    return locate(folder) / f"step-{step}{PARTIAL_SUFFIX}"
 
 
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of the complete checkpoints in ``folder``, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for entry in folder.iterdir():
+def deleting_dir(folder: Folder, step: int) -> Location:
+    """Where a pruned ``step-N`` goes before it is deleted (where folders are renamed atomically)."""
+    return locate(folder) / f"step-{step}{DELETING_SUFFIX}"
+
+
+def write_marker(checkpoint: Location, step: int) -> None:
+    """The last file of a save: from here on ``checkpoint`` counts as the complete checkpoint of ``step``."""
+    (checkpoint / MARKER_NAME).write_text(json.dumps({"step": step}) + "\n")
+
+
+def _marked_step(checkpoint: Location) -> int | None:
+    """The step the marker names; None without a marker; -1 for one that is not ours (unreadable)."""
+    marker = checkpoint / MARKER_NAME
+    if not marker.is_file():
+        return None
+    try:
+        step = json.loads(marker.read_text())["step"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return -1
+    return step if isinstance(step, int) else -1
+
+
+@dataclass
+class Scan:
+    """The ``step-N`` entries of a checkpoint folder, by what they are."""
+
+    complete: list[int] = field(default_factory=list)
+    damaged: list[int] = field(default_factory=list)  # a folder that cannot be a save of ours (no .metadata)
+    unfinished: list[int] = field(default_factory=list)  # on an object store: a save cut short (no marker)
+    ignored: list[str] = field(default_factory=list)  # one line per entry this code did not write
+
+
+def scan(folder: Folder) -> Scan:
+    """Every ``step-N`` entry of ``folder``, without following a link or reading more than the markers."""
+    folder = locate(folder)
+    found = Scan()
+    for entry in folder.entries():
         match = _STEP_DIR.match(entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+        if not match:
+            continue
+        step = int(match.group(1))
+        kind = entry.kind()
+        if kind != "dir":
+            what = "a symlink or special file" if kind == "other" else "a file"
+            found.ignored.append(f"{entry} is {what}, not a checkpoint this run wrote: ignored (never followed, "
+                                 "renamed or deleted)")
+            continue
+        marked = _marked_step(entry)
+        if marked is not None and marked != step:
+            found.ignored.append(f"{entry} holds a checkpoint saved as another step (its {MARKER_NAME} names "
+                                 f"{marked}): ignored; give it as initial_load_path= to start from it")
+        elif marked is not None or (entry.storage.atomic_rename and (entry / METADATA_NAME).is_file()):
+            found.complete.append(step)  # a folder from before markers: the rename alone made it complete
+        elif entry.storage.atomic_rename:
+            found.damaged.append(step)
+        else:
+            found.unfinished.append(step)
+    for steps in (found.complete, found.damaged, found.unfinished):
+        steps.sort()
+    return found
 
 
-def damaged_steps(folder: Path) -> list[int]:
+def complete_steps(folder: Folder) -> list[int]:
+    """Steps of the complete checkpoints in ``folder``, oldest first."""
+    return scan(folder).complete
+
+
+def damaged_steps(folder: Folder) -> list[int]:
     """Steps of ``step-N`` folders without DCP's ``.metadata`` (never left by this code, see above)."""
+    return scan(folder).damaged
+
+
+def ignored_entries(folder: Folder) -> list[str]:
+    """One line per ``step-N`` entry of ``folder`` that this code did not write (see above)."""
+    return scan(folder).ignored
+
+
+def _is_checkpoint(folder: Location) -> bool:
+    """Whether ``folder`` itself is a complete checkpoint (whatever its name)."""
     if not folder.is_dir():
-        return []
-    return sorted(int(m.group(1)) for entry in folder.iterdir()
-                  if (m := _STEP_DIR.match(entry.name)) and not (entry / ".metadata").is_file())
+        return False
+    if folder.storage.atomic_rename:
+        return (folder / METADATA_NAME).is_file()
+    return _marked_step(folder) is not None
 
 
-def _refuse_damaged(folder: Path, complete: list[int], load_step: int) -> None:
+def _refuse_damaged(folder: Location, found: Scan, load_step: int) -> None:
     """Refuse a ``step-N`` without ``.metadata`` that would be picked: asked for, or newer than all others."""
-    newest = max(complete, default=-1)
-    picked = [s for s in damaged_steps(folder) if (s == load_step if load_step >= 0 else s > newest)]
+    newest = max(found.complete, default=-1)
+    picked = [s for s in found.damaged if (s == load_step if load_step >= 0 else s > newest)]
     if picked:
         raise CheckpointError(
             f"checkpoint folder {step_dir(folder, picked[-1])} is incomplete (no .metadata: empty, or a copy cut "
@@ -113,37 +194,44 @@ def _describe(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def resolve_checkpoint(own_folder: Path, load_step: int = -1, initial_load_path: str | Path = "") -> Path | None:
+def resolve_checkpoint(own_folder: Folder, load_step: int = -1,
+                       initial_load_path: str | Path = "") -> Path | Location | None:
     """The checkpoint a run starts from: its own newest (or ``load_step``), else ``initial_load_path``."""
-    own = complete_steps(own_folder)
-    _refuse_damaged(own_folder, own, load_step)
+    own_folder = locate(own_folder)
+    found = scan(own_folder)
+    own = found.complete
+    _refuse_damaged(own_folder, found, load_step)
     if load_step >= 0 and load_step in own:
         return step_dir(own_folder, load_step)
     if own and load_step < 0:
         return step_dir(own_folder, own[-1])
     if initial_load_path:
-        initial = Path(initial_load_path)
-        if (initial / ".metadata").is_file() and load_step < 0:
-            return initial
+        # Named by the user: a link given here is followed (a link among a folder's step-N entries never is).
+        initial = locate(initial_load_path)
+        if initial.local is not None and initial.kind() == "other":
+            initial = locate(initial.local.resolve())
+        if _is_checkpoint(initial) and load_step < 0:
+            return initial.native
         if not initial.is_dir():
             raise CheckpointError(
                 f"initial_load_path={str(initial_load_path)!r} does not exist; give a step-N folder or a folder "
                 "of them"
             )
-        found = complete_steps(initial)
-        _refuse_damaged(initial, found, load_step)
+        there = scan(initial)
+        _refuse_damaged(initial, there, load_step)
         if load_step >= 0:
-            if load_step not in found:
+            if load_step not in there.complete:
                 raise CheckpointError(
-                    f"load_step={load_step} not found in {initial}; complete checkpoints there: {_describe(found)}"
+                    f"load_step={load_step} not found in {initial}; complete checkpoints there: "
+                    f"{_describe(there.complete)}"
                 )
             return step_dir(initial, load_step)
-        if not found:
+        if not there.complete:
             raise CheckpointError(
                 f"initial_load_path={str(initial_load_path)!r} holds no complete checkpoint (a folder with DCP's "
                 ".metadata, or step-N folders of them)"
             )
-        return step_dir(initial, found[-1])
+        return step_dir(initial, there.complete[-1])
     if load_step >= 0:
         raise CheckpointError(
             f"load_step={load_step} not found in {own_folder}; complete checkpoints there: {_describe(own)}"
@@ -151,11 +239,11 @@ def resolve_checkpoint(own_folder: Path, load_step: int = -1, initial_load_path:
     return None
 
 
-def refuse_overwrite(folder: Path, planned_saves: Iterable[int]) -> None:
+def refuse_overwrite(folder: Folder, planned_saves: Iterable[int]) -> None:
     """A run resumed from an older checkpoint must not save over a newer one of an earlier history."""
     taken = sorted(set(planned_saves) & set(complete_steps(folder)))
     if taken:
         raise CheckpointError(
-            f"this run would save over the existing checkpoints {_describe(taken)} in {folder}; resume into a "
-            "fresh folder with initial_load_path=, or move those checkpoints away"
+            f"this run would save over the existing checkpoints {_describe(taken)} in {locate(folder)}; resume "
+            "into a fresh folder with initial_load_path=, or move those checkpoints away"
         )

@@ -7,15 +7,15 @@ the RNG, dataloader and train state of that boundary — and DCP writes it in a 
 finishes a background save whose write is done. ``save(step, force=True)`` saves now whatever the policy
 (a stop signal). The folder layout and crash-safety rules are in layout.py: a save is written to
 ``step-N.partial`` and renamed once every rank has finished (for a background save: once its write has
-finished everywhere), so a ``step-N`` folder is always complete.
+finished everywhere), so a ``step-N`` folder is always complete; on an object store (storage.py) it is
+written to ``step-N`` and counts once its completion marker, written last, is there.
 
 Errors name this class's parameters; test hooks (fault injection) are handed in, never imported here.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import first_line
 from torchtitan_rng.errors import CheckpointError, disk_full
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader, SafeLoadPlanner, inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
-from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
 from torchtitan_rng.checkpoint.states import Stateful
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.distributed import barrier
 
 
@@ -50,7 +50,13 @@ def _first_failure(err: CheckpointException) -> BaseException:
     return next(iter(err.failures.values()))[0]
 
 
-def _save_failure(step: int, folder: Path, err: BaseException) -> CheckpointError:
+# The files a save writes into its folder: a leftover folder of a save cut short holds only these.
+_OUR_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
+                        + "|".join(re.escape(name) for name in (run_record.RECORD_NAME, integrity.CHECKSUMS_NAME,
+                                                                integrity.SIGNATURE_NAME, layout.MARKER_NAME))
+                        + ")$")
+
+def _save_failure(step: int, folder: Location, err: BaseException) -> CheckpointError:
     """One line for a failed save: "the disk is full" when it is, else the original error's first line."""
     cause = _first_failure(err) if isinstance(err, CheckpointException) else err
     if disk_full(cause):
@@ -59,9 +65,28 @@ def _save_failure(step: int, folder: Path, err: BaseException) -> CheckpointErro
     return CheckpointError(f"saving step {step} into {folder} failed: {type(cause).__name__}: {first_line(cause)}")
 
 
+_DELETING = re.compile(r"^step-\d+" + re.escape(layout.DELETING_SUFFIX) + "$")
+
+
+def _clear_unfinished(folder: Location) -> None:
+    """Make way for a save into ``folder``: a leftover there is a save of ours cut short (never a usable
+    checkpoint: a complete one is refused before, layout.refuse_overwrite) when it holds only the files a
+    save writes; anything else is not ours and is refused by name, not deleted."""
+    kind = folder.kind()
+    if kind is None:
+        return
+    strangers = [name for name in folder.files() if not _OUR_FILES.match(name)] if kind == "dir" else []
+    if kind != "dir" or strangers:
+        what = f"holds files a save does not write ({', '.join(strangers[:3])})" if strangers else \
+            "is not a folder (a symlink or a file)"
+        raise CheckpointError(f"cannot save into {folder}: it {what}; it is not this run's, so it is left as "
+                              "it is: move it away")
+    folder.remove()
+
+
 @dataclass
 class LoadResult:
-    path: Path
+    path: Path | Location
     # "part" or "part.key" entries that this rank asked for and the checkpoint does not hold.
     missing: list[str] = field(default_factory=list)
 
@@ -70,7 +95,7 @@ class CheckpointManager:
     """Saves and loads a set of named Stateful parts with DCP, under ``folder/step-N``.
 
     Args:
-        folder: where the ``step-N`` checkpoints go (shared by all ranks).
+        folder: where the ``step-N`` checkpoints go (shared by all ranks): a path, or a URL (storage.py).
         parts: ``{name: Stateful}``, e.g. from :func:`checkpoint.states.checkpoint_parts`.
         interval: :meth:`save` saves every ``interval`` steps and at the last step.
         enable: False: :meth:`save` only saves when forced.
@@ -79,12 +104,15 @@ class CheckpointManager:
         async_mode: "disabled" or "async" (saves other than the last one are written in the background).
         hooks: test hooks called at named moments of a save; None in a normal run.
         log: where rank 0's "checkpoint saved" lines go; None: nowhere.
+        signing: the key that signs each checkpoint's checksums (integrity.py); None: unsigned.
     """
 
-    def __init__(self, folder: Path, parts: dict[str, Stateful], *, interval: int, enable: bool = True,
-                 keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
-                 hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path | str | Location, parts: dict[str, Stateful], *, interval: int,
+                 enable: bool = True, keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
+                 hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None,
+                 signing: integrity.SigningKey | None = None) -> None:
+        self.folder = locate(folder)
+        self.signing = signing
         self.parts = parts
         self.interval = interval
         self.enable = enable
@@ -104,7 +132,7 @@ class CheckpointManager:
         """The policy: a multiple of ``interval``, or the last step."""
         return self.enable and (step % self.interval == 0 or step == last_step)
 
-    def save(self, step: int, *, last_step: int | None = None, force: bool = False) -> Path | None:
+    def save(self, step: int, *, last_step: int | None = None, force: bool = False) -> Path | Location | None:
         """Call at every step boundary, on every rank (a save is a collective). Saves when the policy says so
         (or ``force``, once per step) and returns the checkpoint folder; None when nothing was saved. A
         finished background save is completed here."""
@@ -116,33 +144,41 @@ class CheckpointManager:
         in_background = self.async_mode == "async" and not force and step != last_step
         return self._save(step, in_background)
 
-    def _save(self, step: int, in_background: bool) -> Path:
+    def _save(self, step: int, in_background: bool) -> Path | Location:
         self.wait()
         # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not write.
         layout.refuse_overwrite(self.folder, [step])
         try:
             return self._write(step, in_background)
+        except CheckpointError:  # already one line (a leftover that is not ours)
+            raise
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             raise _save_failure(step, self.folder, err) from None
 
-    def _write(self, step: int, in_background: bool) -> Path:
+    def _target(self, step: int) -> Location:
+        """Where the save of ``step`` is written: ``step-N.partial`` (renamed when complete), or on an object
+        store ``step-N`` itself (marked when complete)."""
+        if self.folder.storage.atomic_rename:
+            return layout.partial_dir(self.folder, step)
+        return locate(layout.step_dir(self.folder, step))
+
+    def _write(self, step: int, in_background: bool) -> Path | Location:
         started = time.perf_counter()
-        partial = layout.partial_dir(self.folder, step)
+        partial = self._target(step)
         if self.rank == 0:
-            # A leftover .partial of this step is an unfinished save of ours: never a usable checkpoint.
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+            _clear_unfinished(partial)
+            partial.makedirs()
         barrier()
         planner = self.hooks.save_planner(step) if self.hooks else None
         self.last_saved_step = step
         if in_background:
-            future = dcp.async_save(dict(self.parts), storage_writer=ChecksummedFileSystemWriter(partial),
+            future = dcp.async_save(dict(self.parts), storage_writer=partial.writer(),
                                     process_group=self._group(), async_stager=self._staging(), planner=planner)
             self._pending = (step, future, started)
             self._say(f"checkpoint step-{step}: staged in {time.perf_counter() - started:.2f} s, writing in the "
                       "background")
             return layout.step_dir(self.folder, step)
-        dcp.save(dict(self.parts), storage_writer=ChecksummedFileSystemWriter(partial), planner=planner)
+        dcp.save(dict(self.parts), storage_writer=partial.writer(), planner=planner)
         self._hook("save_written", step)
         barrier()
         if self.rank == 0:
@@ -204,31 +240,45 @@ class CheckpointManager:
             self._stager.close()
 
     def _complete(self, step: int) -> None:
-        partial = layout.partial_dir(self.folder, step)
+        partial = self._target(step)
         if self.run_record is not None:
             run_record.write_record(partial, self.run_record)
-        integrity.write_checksums(partial)  # last: it covers every file above
-        os.replace(partial, layout.step_dir(self.folder, step))
+        integrity.write_checksums(partial, self.signing)  # it covers every file above
+        self._hook("save_marking", step)
+        layout.write_marker(partial, step)  # last: from here on it counts (on an object store)
+        storage = self.folder.storage
+        if storage.atomic_rename:
+            storage.rename(partial.path, locate(layout.step_dir(self.folder, step)).path)
         self._hook("save_renamed", step)
         self._prune(step)
 
     def _prune(self, step: int) -> None:
-        for leftover in self.folder.glob(f"step-*{layout.DELETING_SUFFIX}"):  # from a prune that was killed
-            shutil.rmtree(leftover, ignore_errors=True)
+        """Delete complete checkpoints older than the newest ``keep_latest_k``: only folders this code wrote
+        (layout.scan), never an entry it did not."""
+        storage = self.folder.storage
+        if storage.atomic_rename:
+            for leftover in self.folder.entries():  # from a prune that was killed
+                if _DELETING.match(leftover.name) and leftover.is_dir():
+                    leftover.remove()
         if self.keep_latest_k <= 0:
             return
         for old in layout.complete_steps(self.folder)[: -self.keep_latest_k]:
-            doomed = layout.deleting_dir(self.folder, old)
-            os.replace(layout.step_dir(self.folder, old), doomed)  # atomic: never a half-deleted step-N
+            checkpoint = locate(layout.step_dir(self.folder, old))
+            if storage.atomic_rename:
+                doomed = layout.deleting_dir(self.folder, old)
+                storage.rename(checkpoint.path, doomed.path)  # atomic: never a half-deleted step-N
+            else:
+                (checkpoint / layout.MARKER_NAME).remove()  # first: from here on it never counts
+                doomed = checkpoint
             self._hook("prune", step)
-            shutil.rmtree(doomed, ignore_errors=True)
+            doomed.remove()
 
-    def load(self, checkpoint: CheckpointInfo | Path, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
+    def load(self, checkpoint: CheckpointInfo | Location | Path, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
         """Load every part not excluded; keys this rank needs but the checkpoint lacks are reported.
         ``checkpoint``: a folder, or what :func:`inspect_checkpoint` read from it (not read again)."""
-        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(Path(checkpoint))
+        info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
         stored = info.keys
-        result = LoadResult(path=info.path)
+        result = LoadResult(path=info.path.native)
         state: dict[str, Any] = {}
         for name, part in self.parts.items():
             if name in exclude:
@@ -243,7 +293,7 @@ class CheckpointManager:
                     del part_state[key]
             state[name] = part_state
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(info.path, info.metadata), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=info.path.reader(info.metadata), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             cause = _first_failure(err) if isinstance(err, CheckpointException) else err
             if isinstance(cause, CheckpointError):

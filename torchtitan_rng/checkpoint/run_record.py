@@ -25,6 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import TorchtitanRngError
 
 RECORD_NAME = "run.json"
@@ -79,13 +80,13 @@ def make_record(values: dict[str, Any], data: dict[str, Any] | None) -> dict[str
     }
 
 
-def write_record(folder: Path, record: dict[str, Any]) -> None:
-    (folder / RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+def write_record(folder: Location | Path, record: dict[str, Any]) -> None:
+    (locate(folder) / RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def read_record(checkpoint: Path) -> dict[str, Any] | None:
+def read_record(checkpoint: Location | Path) -> dict[str, Any] | None:
     """The record of a checkpoint, None when it has none (saved by an older version)."""
-    path = checkpoint / RECORD_NAME
+    path = locate(checkpoint) / RECORD_NAME
     if not path.is_file():
         return None
     try:
@@ -114,7 +115,7 @@ class Change:
     # What changed, when "KEY = NEW but the checkpoint was trained with SAVED" does not say it.
     what: str = ""
 
-    def describe(self, checkpoint: Path) -> str:
+    def describe(self, checkpoint: Location | Path) -> str:
         return (self.what.format(checkpoint=checkpoint) if self.what else
                 f"{self.key} = {self.new!r} but checkpoint {checkpoint} was trained with {self.saved!r}")
 
@@ -160,7 +161,7 @@ class OptIn:
         return key in allowed
 
 
-def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[str, Any],
+def check_resume(checkpoint: Location | Path, saved: dict[str, Any] | None, current: dict[str, Any],
                  allowed: Sequence[str], opt_in: OptIn = OptIn()) -> list[str]:
     """Warnings to print for a resume that may go on; raises ConfigDriftError for refused changes."""
     if saved is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import io
-import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchtitan_rng.checkpoint.layout import first_line, saved_world_size
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import CheckpointError
 
 
@@ -89,18 +89,19 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with a ``.metadata`` unpickler that cannot run code; given ``metadata`` already
-    read (by :func:`inspect_checkpoint`), it hands that out instead of reading the file again."""
+class SafeMetadata:
+    """Mixed into a DCP reader (local here, fsspec in fsspec_io.py): reads ``.metadata`` with the unpickler
+    above, or hands out ``_metadata`` already read (by :func:`inspect_checkpoint`) instead of reading it again."""
 
-    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
-        super().__init__(str(path))
-        self._metadata = metadata
+    _metadata: Metadata | None
+    fs: Any
+    path: Any
+    load_id: Any
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def safe_metadata(self) -> Metadata:
         metadata = self._metadata
         if metadata is None:
-            with open(os.path.join(self.path, ".metadata"), "rb") as file:
+            with self.fs.create_stream(self.fs.concat_path(self.path, ".metadata"), "rb") as file:
                 metadata = _MetadataUnpickler(file).load()
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
@@ -109,11 +110,22 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class SafeFileSystemReader(SafeMetadata, FileSystemReader):
+    """DCP's file reader with a ``.metadata`` unpickler that cannot run code (see :class:`SafeMetadata`)."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.safe_metadata()
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What a checkpoint holds, read once: its folder, DCP metadata, and the keys derived from them."""
 
-    path: Path
+    path: Location
     metadata: Metadata
 
     @property
@@ -130,10 +142,11 @@ class CheckpointInfo:
         return any(key.startswith(part + ".") for key in self.metadata.state_dict_metadata)
 
 
-def inspect_checkpoint(path: Path) -> CheckpointInfo:
+def inspect_checkpoint(path: Location | Path) -> CheckpointInfo:
     """The metadata of a complete, undamaged checkpoint: every shard file there and long enough."""
+    path = locate(path)
     try:
-        metadata = SafeFileSystemReader(path).read_metadata()
+        metadata = path.reader().read_metadata()
     except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
         raise CheckpointError(
             f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
@@ -147,7 +160,7 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo:
         if not shard.is_file():
             raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; pick another "
                                   "with load_step=")
-        if shard.stat().st_size < size:
+        if shard.size() < size:
             raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is truncated "
-                                  f"({shard.stat().st_size} bytes, {size} expected); pick another with load_step=")
-    return CheckpointInfo(Path(path), metadata)
+                                  f"({shard.size()} bytes, {size} expected); pick another with load_step=")
+    return CheckpointInfo(path, metadata)

@@ -4,6 +4,7 @@ The launcher's preflight (before any process starts), the trainer and ``ExactRes
 :func:`vet`, which refuses in this order, each refusal one line (:class:`CheckpointError`, or
 :class:`ConfigDriftError` for a changed config):
 
+0. with a signing key: ``checksums.json`` signed with it (integrity.py), before anything else is read;
 1. whole and readable: DCP's ``.metadata`` through the safe reader, every shard file there at its size;
 2. its layout: the parallel mode that saved it and its process count, by the rule of the run's plan
    (``layout``: refuses, or says the run goes on inexactly with reseeded streams);
@@ -27,6 +28,7 @@ import torch
 
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoint
+from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.distributed import on_rank_zero
 from torchtitan_rng.errors import CheckpointError
 
@@ -43,14 +45,17 @@ class Vetted:
     warnings: list[str] = field(default_factory=list)
 
 
-def vet(path: Path, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
-        opt_in: run_record.OptIn = run_record.OptIn(), device: torch.device = torch.device("cpu")) -> Vetted:
+def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
+        opt_in: run_record.OptIn = run_record.OptIn(), device: torch.device = torch.device("cpu"),
+        signing: integrity.SigningKey | None = None) -> Vetted:
     """Vet ``path`` in the order above. ``record``: this run's run record (None: not compared);
     ``allowed``/``opt_in``: which changed keys become WARNINGs and how a refusal says to allow them;
-    ``device``: where the ranks agree on rank 0's reading of the files."""
+    ``device``: where the ranks agree on rank 0's reading of the files; ``signing``: the key checkpoints
+    are signed with (None: not checked)."""
+    path = locate(path)
+    warnings = integrity.verify_signature(path, signing)
     info = inspect_checkpoint(path)
     reseed = layout(info)
-    warnings: list[str] = []
     verified = os.environ.get(integrity.VERIFIED_ENV) == str(path)
     if not (verified and (path / integrity.CHECKSUMS_NAME).is_file()):
         def verify() -> None:

@@ -26,15 +26,14 @@ from torchtitan_rng.errors import disk_full
 COPY_AHEAD_BYTES = 64 * 2**20
 
 
-class ChecksummedFileSystemWriter(FileSystemWriter):
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, per_thread_copy_ahead=COPY_AHEAD_BYTES)
+class WithoutZipCrc:
+    """Mixed into a DCP FileSystemWriter (local here, fsspec in fsspec_io.py): writes without the CRC."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         previous = torch.serialization.get_crc32_options()
         torch.serialization.set_crc32_options(False)
         try:
-            return super().write_data(plan, planner)
+            return super().write_data(plan, planner)  # type: ignore[misc]
         except Exception as err:
             full = disk_full(err)
             if full is None:
@@ -44,3 +43,8 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
             raise OSError(full.errno, full.strerror) from err
         finally:
             torch.serialization.set_crc32_options(previous)
+
+
+class ChecksummedFileSystemWriter(WithoutZipCrc, FileSystemWriter):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, per_thread_copy_ahead=COPY_AHEAD_BYTES)

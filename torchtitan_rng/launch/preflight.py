@@ -27,6 +27,7 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     spec = get_train_spec(config)
     signals.signal_numbers(config.signals.checkpoint_on)
     check_dump_folder(Path(config.job.dump_folder))
+    resume.signing_of(config)  # a key named but not set: refused before any save or load
     if world_size is not None:
         plan_class(config).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
@@ -57,7 +58,7 @@ def refuse_restart_over_history(config: JobConfig) -> None:
         return
     dump = Path(config.job.dump_folder)
     log = loss_log_path(dump)
-    steps = complete_steps(dump / config.checkpoint.folder)
+    steps = complete_steps(resume.folder_of(config))
     held = ([log.name] if log.is_file() and log.stat().st_size > 0 else []) + (
         [f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
     if held:

@@ -1,0 +1,363 @@
+"""Where checkpoints are kept: a local folder, or an object store named by a URL (``s3://``, ``gs://``,
+``memory://``...), behind one small interface.
+
+:class:`Storage` is the few operations a checkpoint needs, on ``/``-separated paths of one filesystem; a
+:class:`Location` is a path on one, with path-like methods (``/``, ``name``, ``read_text``...). Two storages:
+
+* :class:`LocalStorage` — a folder on a local or shared POSIX filesystem (also ``file://``). It renames
+  atomically, so a save is written to ``step-N.partial`` and renamed (layout.py). It never follows a link:
+  a symlink, or anything that is neither a regular file nor a folder, is an entry of kind ``"other"``.
+* :class:`FsspecStorage` — any fsspec filesystem. Object stores have no atomic rename: a save is written in
+  place and counts only once its completion marker, written last, is there (layout.py). Credentials and
+  endpoints come from each backend's own environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...,
+  ``GOOGLE_APPLICATION_CREDENTIALS``); its package (s3fs, gcsfs) is imported only when a URL needs it.
+
+:func:`locate` is the one place that tells a URL from a path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import shutil
+import stat
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from torchtitan_rng.errors import CheckpointError
+
+# A URL's scheme (two letters at least: "C:" is a Windows drive, not a scheme).
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
+# Which extra installs a backend that fsspec does not bring itself.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_READ_CHUNK = 64 * 2**20  # a multiple of the checksum's block (integrity.BLOCK_BYTES)
+
+
+class Storage(ABC):
+    """The operations a checkpoint needs. Paths are strings of this storage; nothing follows a link."""
+
+    # Whether a folder can be renamed atomically (then a save is renamed into place, else marked complete).
+    atomic_rename: bool
+
+    @abstractmethod
+    def kind(self, path: str) -> str | None:
+        """"dir", "file", "other" (a symlink, dangling or not, a loop, a device...), or None: nothing there."""
+
+    @abstractmethod
+    def names(self, folder: str) -> list[str]:
+        """The names of the entries directly in ``folder`` ([] when it does not exist)."""
+
+    @abstractmethod
+    def files(self, folder: str) -> list[str]:
+        """Every regular file below ``folder``, relative, ``/``-separated (links not followed)."""
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def read(self, path: str) -> bytes: ...
+
+    @abstractmethod
+    def write(self, path: str, data: bytes) -> None:
+        """Write a whole file (its folder is created when needed)."""
+
+    @abstractmethod
+    def chunks(self, path: str) -> Iterator[Any]:
+        """The file's bytes as buffers of ``_READ_CHUNK`` bytes (the last one shorter), for its checksum."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Remove a file or a folder with everything below it; nothing there is not an error."""
+
+    @abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abstractmethod
+    def rename(self, path: str, new_path: str) -> None:
+        """Atomic (only where ``atomic_rename``)."""
+
+    @abstractmethod
+    def join(self, folder: str, name: str) -> str: ...
+
+    @abstractmethod
+    def display(self, path: str) -> str:
+        """How messages name ``path`` (a local path, or a URL)."""
+
+    @abstractmethod
+    def writer(self, folder: str) -> Any:
+        """DCP's StorageWriter for a save into ``folder`` (writer.py)."""
+
+    @abstractmethod
+    def reader(self, folder: str, metadata: Any = None) -> Any:
+        """DCP's StorageReader for ``folder``, with the safe metadata reader (safe_load.py)."""
+
+
+class LocalStorage(Storage):
+    atomic_rename = True
+
+    def kind(self, path: str) -> str | None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+        except OSError:  # a path through a loop, a name too long...: not ours either way
+            return "other"
+        return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+    def names(self, folder: str) -> list[str]:
+        if self.kind(folder) != "dir":
+            return []
+        return sorted(os.listdir(folder))
+
+    def files(self, folder: str) -> list[str]:
+        found = []
+        for parent, _, names in os.walk(folder):  # os.walk does not descend into links
+            found += [os.path.relpath(os.path.join(parent, name), folder).replace(os.sep, "/") for name in names
+                      if self.kind(os.path.join(parent, name)) == "file"]
+        return sorted(found)
+
+    def size(self, path: str) -> int:
+        return os.lstat(path).st_size
+
+    def read(self, path: str) -> bytes:
+        return Path(path).read_bytes()
+
+    def write(self, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        Path(path).write_bytes(data)
+
+    def chunks(self, path: str) -> Iterator[Any]:
+        # Memory-mapped: the checksum sums the page cache in place, with no copy.
+        if self.size(path) == 0:
+            return
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
+
+    def remove(self, path: str) -> None:
+        kind = self.kind(path)
+        if kind == "dir":
+            shutil.rmtree(path, ignore_errors=True)
+        elif kind is not None:
+            os.unlink(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def rename(self, path: str, new_path: str) -> None:
+        os.replace(path, new_path)
+
+    def join(self, folder: str, name: str) -> str:
+        return os.path.join(folder, name)
+
+    def display(self, path: str) -> str:
+        return path
+
+    def writer(self, folder: str) -> Any:
+        from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
+
+        return ChecksummedFileSystemWriter(Path(folder))
+
+    def reader(self, folder: str, metadata: Any = None) -> Any:
+        from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
+
+        return SafeFileSystemReader(folder, metadata)
+
+
+class FsspecStorage(Storage):
+    """An fsspec filesystem (``protocol``: its URL scheme). Every listing asks the store again: another
+    process (another rank) may have written since."""
+
+    atomic_rename = False
+
+    def __init__(self, protocol: str, fs: Any) -> None:
+        self.protocol = protocol
+        self.fs = fs
+
+    def _fresh(self, path: str) -> None:
+        self.fs.invalidate_cache(path)
+
+    def kind(self, path: str) -> str | None:
+        self._fresh(path)
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return {"directory": "dir", "file": "file"}.get(info.get("type"), "other")
+
+    def names(self, folder: str) -> list[str]:
+        self._fresh(folder)
+        try:
+            entries = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries} - {""})
+
+    def files(self, folder: str) -> list[str]:
+        self._fresh(folder)
+        root = folder.rstrip("/") + "/"
+        return sorted(path[len(root):] for path in self.fs.find(folder) if path.startswith(root))
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def write(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def chunks(self, path: str) -> Iterator[Any]:
+        with self.fs.open(path, "rb", block_size=_READ_CHUNK) as file:
+            while chunk := file.read(_READ_CHUNK):
+                yield chunk
+
+    def remove(self, path: str) -> None:
+        self._fresh(path)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rename(self, path: str, new_path: str) -> None:
+        raise NotImplementedError(f"{self.protocol}:// has no atomic rename")  # layout.py never asks
+
+    def join(self, folder: str, name: str) -> str:
+        return f"{folder.rstrip('/')}/{name}"
+
+    def display(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def writer(self, folder: str) -> Any:
+        from torchtitan_rng.checkpoint.fsspec_io import ChecksummedFsspecWriter
+
+        return ChecksummedFsspecWriter(self.display(folder))
+
+    def reader(self, folder: str, metadata: Any = None) -> Any:
+        from torchtitan_rng.checkpoint.fsspec_io import SafeFsspecReader
+
+        return SafeFsspecReader(self.display(folder), metadata)
+
+
+@dataclass(frozen=True, eq=False)
+class Location:
+    """A path on a storage, with the path-like methods the checkpoint code uses. Nothing follows a link.
+    Two locations are equal when they name the same path (local) or URL."""
+
+    storage: Storage
+    path: str
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Location) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __truediv__(self, name: str) -> Location:
+        return Location(self.storage, self.storage.join(self.path, name))
+
+    def __str__(self) -> str:
+        return self.storage.display(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
+
+    @property
+    def local(self) -> Path | None:
+        """The local path, None on an object store."""
+        return Path(self.path) if isinstance(self.storage, LocalStorage) else None
+
+    @property
+    def native(self) -> Path | Location:
+        """What callers outside checkpoint/ get: the local ``Path``, or this location on an object store."""
+        return self.local or self
+
+    def kind(self) -> str | None:
+        return self.storage.kind(self.path)
+
+    def is_dir(self) -> bool:
+        return self.kind() == "dir"
+
+    def is_file(self) -> bool:
+        return self.kind() == "file"
+
+    def entries(self) -> list[Location]:
+        return [self / name for name in self.storage.names(self.path)]
+
+    def files(self) -> list[str]:
+        return self.storage.files(self.path)
+
+    def size(self) -> int:
+        return self.storage.size(self.path)
+
+    def read_bytes(self) -> bytes:
+        return self.storage.read(self.path)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        self.storage.write(self.path, data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def chunks(self) -> Iterator[Any]:
+        return self.storage.chunks(self.path)
+
+    def remove(self) -> None:
+        self.storage.remove(self.path)
+
+    def makedirs(self) -> None:
+        self.storage.makedirs(self.path)
+
+    def writer(self) -> Any:
+        return self.storage.writer(self.path)
+
+    def reader(self, metadata: Any = None) -> Any:
+        return self.storage.reader(self.path, metadata)
+
+
+_LOCAL = LocalStorage()
+
+
+def is_url(where: str | Path) -> bool:
+    return isinstance(where, str) and _URL.match(where) is not None
+
+
+def locate(where: str | Path | Location) -> Location:
+    """The location a path (local) or a URL (``file://`` is local; any other scheme through fsspec) names."""
+    if isinstance(where, Location):
+        return where
+    if not is_url(where):
+        return Location(_LOCAL, os.fspath(where))
+    url = str(where)
+    protocol = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    if protocol == "file":
+        return Location(_LOCAL, url[len("file://"):])
+    try:
+        from fsspec.core import url_to_fs  # a dependency of torch; its backends are not
+        fs, path = url_to_fs(url)
+    except ImportError as err:
+        extra = _EXTRAS.get(protocol)
+        how = f"pip install 'torchtitan_rng[{extra}]'" if extra else f"install fsspec's backend for {protocol}://"
+        raise CheckpointError(f"{url} is on {protocol}://, whose fsspec backend is not installed ({err}): {how}") from None
+    except ValueError as err:  # an unknown protocol
+        raise CheckpointError(f"{url}: fsspec cannot open {protocol}:// ({err}); use a path, or a URL of an "
+                              "installed fsspec backend (s3://, gs://, memory://...)") from None
+    return Location(FsspecStorage(protocol, fs), path.rstrip("/"))
+
+
+def checkpoint_folder(dump_folder: str | Path, folder: str) -> Location:
+    """Where a run's checkpoints go: ``folder`` under the dump folder, or ``folder`` itself when it is a URL."""
+    return locate(folder) if is_url(folder) else locate(Path(dump_folder) / folder)
