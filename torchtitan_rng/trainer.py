@@ -17,9 +17,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from torchtitan_rng import resume, signals
 from torchtitan_rng.build import build_components
 from torchtitan_rng.checkpoint.manager import CheckpointManager
@@ -34,14 +31,6 @@ from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import hyperparameters_from_config
 from torchtitan_rng.rng import preserved_global_rng
-
-
-def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The total norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm
 
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
@@ -189,7 +178,7 @@ class Trainer:
         config, parts = self.config, self.parts
         parts.optimizer.zero_grad(set_to_none=True)
         loss = self.plan.forward_backward(parts.model, parts.params, batches, parts.loss_fn, step)
-        grad_norm = _clip_grad_norm(parts.params, config.training.max_norm)
+        grad_norm = self.plan.clip_grad_norm(parts.params, config.training.max_norm)
         lr = parts.lr_scheduler.get_last_lr()[0]
         parts.optimizer.step()
         parts.lr_scheduler.step()

@@ -8,7 +8,8 @@ resume, the launcher's preflight and the diagnosis ask the plan and never which 
   (:meth:`wrap`);
 * which micro-batches a rank runs (:meth:`batch_sampler`, :attr:`micro_batches_per_rank`) and how many samples
   a step takes (:attr:`samples_per_step`);
-* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`);
+* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`), and how they are
+  clipped (:meth:`clip_grad_norm`);
 * which streams enter a step (:attr:`carries_streams`, :meth:`step_streams`, :meth:`data_position`);
 * what the checkpoint records about the layout, what a checkpoint of another layout or process count means
   (:meth:`record_parts`, :meth:`check_checkpoint`), and where the data stands after a resume
@@ -26,6 +27,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
@@ -96,6 +98,14 @@ class ParallelPlan(ABC):
                          loss_fn: LossFn, step: int) -> torch.Tensor:
         """Run this rank's micro-batches of ``step``, leave the step's gradients in ``p.grad`` (reduced over the
         ranks), and return the step's loss as logged (the same value on every rank)."""
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the step's gradients to ``max_norm`` (none when ``<= 0``) and return their total norm as a 0-d
+        tensor on the device (the loss log reads it later, with no sync here)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
 
     # --- streams and data position -----------------------------------------------------------------------
     @property
