@@ -12,7 +12,7 @@ continues at any such process count (``record.py`` marks it as this mode's; DCP 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,10 +31,10 @@ from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 class InvariantPlan(ParallelPlan):
-    """``parallelism.world_size_invariant``: this rank's block of each step's micro-batches, a canonical sum."""
+    """``parallelism.world_size_invariant``: one micro-batch per rank per round of a step, summed in slot order."""
 
     layout: invariant_step.Layout | None = None  # set by batch_sampler(), which sees the dataset
-    exchanges: list[reduction.SlotOrderExchange] = []  # set by wrap() when sharded
+    exchanges: Sequence[reduction.SlotOrderExchange] = ()  # set by wrap() when sharded
 
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:

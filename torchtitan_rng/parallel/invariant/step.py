@@ -10,7 +10,7 @@ sharded) and the same loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ def _losses_in_slot_order(losses: torch.Tensor, layout: Layout) -> torch.Tensor:
 def forward_backward(model: nn.Module, params: list[nn.Parameter], next_batch: Callable[[], Batch],
                      loss_fn: Callable[[nn.Module, Batch, JobConfig], torch.Tensor], config: JobConfig,
                      layout: Layout, step: int, compute_context: Callable[[], ContextManager],
-                     exchanges: list[SlotOrderExchange]) -> torch.Tensor:
+                     exchanges: Sequence[SlotOrderExchange]) -> torch.Tensor:
     """Run this rank's micro-batches of ``step``, leave the mean gradient over all ``layout.micro_batches`` in
     ``p.grad`` (this rank's shard when sharded) and return the mean loss (identical on every rank).
     ``compute_context``: entered around each micro-batch's forward and loss (autocast, or a null context);
