@@ -32,6 +32,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's interface
 from torch.distributed.tensor import DTensor
 
+from torchtitan_rng.errors import ConfigError
+
 
 class SlotOrderExchange(ReduceScatter):
     """FSDP2's reduce-scatter of one sharded module, replaced: receive every rank's slice of this rank's shard
@@ -53,6 +55,10 @@ class SlotOrderExchange(ReduceScatter):
         if is_input:
             return torch.empty(size, dtype=dtype, device=device)
         if self.shard is None or self.shard.numel() != math.prod(size) or self.shard.dtype != dtype:
+            if not self._first_round:  # FSDP2 leaves out a parameter that got no gradient: the sum would break
+                raise ConfigError("parallelism.world_size_invariant needs a gradient for every trainable parameter "
+                                  "in every micro-batch; freeze (requires_grad=False) the parameters a forward "
+                                  "does not use")
             self.shard = torch.empty(size, dtype=dtype, device=device)
         return self.shard  # the output is the accumulator: the step's sum so far
 
