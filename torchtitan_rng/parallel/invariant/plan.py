@@ -47,11 +47,12 @@ class InvariantPlan(ParallelPlan):
 
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
-        """Global slots in order, the same at any process count."""
-        micro_batches = setup.check_batch_layout(config, 1)
+        """Rank-major: rank r's slots r, r + W, ... (``step.Layout``); the same micro-batches at any count."""
+        micro_batches = setup.check_batch_layout(config, world_size)
         sampler = GlobalBatchSampler(num_samples, config.training.local_batch_size, micro_batches, 0, 1,
                                      config.debug.seed)
-        return [sampler.keys_of(step - 1, slot) for slot in range(micro_batches)]
+        return [sampler.keys_of(step - 1, slot) for rank in range(world_size)
+                for slot in range(rank, micro_batches, world_size)]
 
     def prepare_process(self) -> None:
         setup.use_fixed_kernels()
