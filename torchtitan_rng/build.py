@@ -83,7 +83,8 @@ def build_dataloader(config: JobConfig, world: World, plan: ParallelPlan,
     if not isinstance(dataset, WindowStream) and (problem := map_style_problem(dataset)):
         raise ConfigError(f"model {config.model.name!r} (build_dataset of its TrainSpec): {problem}")
     data = config.data
-    loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": world.rank, "dp_world": world.world_size,
+    dp_rank, dp_world = plan.data_shard
+    loader_args = {"batch_size": config.training.local_batch_size, "dp_rank": dp_rank, "dp_world": dp_world,
                    "seed": config.debug.seed, "num_workers": data.num_workers, "prefetch_factor": data.prefetch_factor,
                    # The loader counts micro-batches: the user's cadence is in optimizer steps.
                    "snapshot_every_n_steps": snapshot_every_n_steps(config) * plan.micro_batches_per_rank}

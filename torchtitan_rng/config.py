@@ -28,6 +28,8 @@ else:  # pragma: no cover - Python 3.10
 # generator registered with rng.register_generator is the stream "registered.NAME".
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "device", "dataloader")
 COMPILE_COMPONENTS = ("model", "loss")
+# torch.distributed.pipelining's schedules, by the names torchtitan's config uses.
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 _PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
 
 
@@ -188,6 +190,15 @@ class Parallelism:
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
                                       "gradients summed in slot order, sharded by FSDP2 (docs/replay.md)")
+    pipeline_parallel_degree: int = _key(1, "pipeline stages the model is split over (docs/pipeline.md); the "
+                                         "processes are pp x dp, each stage sharded by FSDP2 over its dp ranks")
+    pipeline_parallel_schedule: str = _key("1F1B", "the order a rank runs its micro-batches in (it sets the "
+                                           "order of dropout draws and of gradient sums)",
+                                           choices=PIPELINE_SCHEDULES)
+    pipeline_parallel_microbatch_size: int = _key(1, "samples per pipeline micro-batch; it divides "
+                                                  "training.local_batch_size")
+    pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
+                                                     "stages); empty: layers split evenly")
 
 
 @dataclass
@@ -209,8 +220,9 @@ class Debug:
 
 @dataclass
 class Signals:
-    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1"], "signals that make every rank checkpoint at the next "
-                                    "step boundary and exit 0 (docs/clusters.md)")
+    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1", "SIGINT"], "signals that make every rank checkpoint at "
+                                    "the next step boundary and exit 0; a second SIGINT (Ctrl-C) aborts without a "
+                                    "save (docs/clusters.md)")
 
 
 @dataclass
@@ -238,6 +250,8 @@ _MINIMUMS: dict[str, float] = {
     "model.vocab_size": -1,
     "training.steps": 1,
     "training.local_batch_size": 1,
+    "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.pipeline_parallel_microbatch_size": 1,
     "training.seq_len": 2,
     "training.max_norm": 0,
     "training.image_size": 4,

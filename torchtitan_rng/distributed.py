@@ -43,12 +43,33 @@ def init_distributed(config: JobConfig) -> World:
         backend = device_lib.distributed_backend()
         # gloo as well, for CPU-side collectives (async checkpoint staging, barriers) on accelerators.
         backend_spec = backend if backend == "gloo" else f"cpu:gloo,{device.type}:{backend}"
-        dist.init_process_group(backend=backend_spec, timeout=timedelta(minutes=10))
+        timeout = timedelta(minutes=10)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend_spec, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend_spec, timeout=timeout, store=store, rank=rank,
+                                    world_size=world_size)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+
+
+def _restart_store(timeout: timedelta) -> dist.Store | None:
+    """After a torchrun restart (``--max-restarts``), torchrun's store for this attempt's process groups.
+
+    The restarted ranks share torchrun's store with the attempt before them, whose ranks left their gloo
+    addresses in it under the same keys: read, those would make the new ranks connect to processes that are
+    gone until the timeout. A prefix of the attempt keeps each attempt's keys apart. None on a first
+    attempt, or when torchrun hosts no store for its ranks."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"torchtitan_rng/attempt_{attempt}", store)
 
 
 def rank_and_world_size() -> tuple[int, int]:

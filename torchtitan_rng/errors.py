@@ -9,8 +9,12 @@ This module imports nothing: every layer may raise these.
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Callable
+
+
+EXIT_CODE = 2  # of every error reported in one line, by any process of a run
 
 
 class TorchtitanRngError(Exception):
@@ -29,4 +33,19 @@ def report(err: TorchtitanRngError, wording: Callable[[str], str] = str) -> int:
     """Print ``err`` as one ``error:`` line on stderr (``wording`` turns library wording into the caller's) and
     return the exit code for bad input."""
     print(f"error: {wording(str(err))}", file=sys.stderr, flush=True)
-    return 2
+    return EXIT_CODE
+
+
+# No space left, a quota, a file-size limit: to the user, all "the disk is full".
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(err: BaseException) -> OSError | None:
+    """The OSError of a write that failed for lack of space, in ``err`` or the exceptions it was raised from
+    (torch's serialization reports a short write as "unexpected pos", with the OSError as its context)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -1,13 +1,19 @@
-"""Fault-injection points for tests: a rank kills (or signals) itself at a named moment of a run.
+"""Fault-injection points for tests: a rank kills (or signals) itself, or holds, at a named moment of a run.
 
 Tests need "SIGKILL exactly while step-10 is being written", not "SIGKILL after about two seconds". The
 environment variable ``TORCHTITAN_RNG_FAULT`` arms one or more points, separated by ``;``:
 
-    POINT:STEP[:RANK[:SIGNAL]]      RANK: a rank or ``*`` (default: every rank); SIGNAL default SIGKILL
+    POINT:STEP[:RANK[:ACTION]]      RANK: a rank or ``*`` (default: every rank)
 
-Points, in the order a step meets them:
+ACTION is a signal name (default SIGKILL), sent by the rank to itself, or ``hold``: the rank creates the file
+``POINT-STEP-rankRANK`` in the folder ``TORCHTITAN_RNG_FAULT_DIR`` names and waits there until that file is
+deleted, so that a test can act (signal the launcher, kill the job) while the run is exactly at that point.
 
+Points, in the order a run meets them:
+
+* ``startup``       start-up (STEP: 0): the process group is up; model, data and resume are still to come
 * ``before_step``   right before step STEP starts (the previous step is complete and logged)
+* ``validation``    step STEP has trained and is about to validate (``validation.enable``)
 * ``save_writing``  while DCP writes the checkpoint of STEP: half of this rank's items are handed to the
   writer, the file is open (the folder is ``step-STEP.partial``)
 * ``save_written``  DCP has written everything of STEP, ``.metadata`` included, but the folder is still
@@ -20,7 +26,9 @@ and one that fires no signal: ``loss_spike`` multiplies every micro-batch loss o
 (``training.spike_guard``) to find. It changes nothing else of the step (data, random draws), and holds on
 every run the variable is set in, a resumed one included.
 
-Each armed entry fires once. Unset (the normal case), the trainer builds no injector and hands none to
+Each armed entry fires once, and only in a run's first attempt: ranks that torchrun restarted
+(``--max-restarts``) arm nothing, as a crash injected once does not come back. Unset (the normal case), the
+trainer builds no injector and hands none to
 the checkpoint manager: the production save path does not know this module.
 """
 
@@ -29,7 +37,9 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,7 +47,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
-POINTS = ("before_step", "save_writing", "save_written", "save_renamed", "prune", "loss_spike")
+HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
+POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_renamed", "prune",
+          "loss_spike")
+HOLD = 0  # the action "hold" (no signal has number 0)
 LOSS_SPIKE_FACTOR = 1000.0
 
 
@@ -46,7 +59,7 @@ class _Fault:
     point: str
     step: int
     rank: int | None
-    signum: int
+    signum: int  # or HOLD
 
 
 def _parse(spec: str) -> dict[tuple[str, int], list[_Fault]]:
@@ -56,7 +69,8 @@ def _parse(spec: str) -> dict[tuple[str, int], list[_Fault]]:
         if len(fields) < 2 or fields[0] not in POINTS:
             raise ValueError(f"{ENV_VAR}: bad entry {entry!r}; expected POINT:STEP[:RANK[:SIGNAL]], POINT in {POINTS}")
         rank = None if len(fields) < 3 or fields[2] == "*" else int(fields[2])
-        signum = int(getattr(signal, fields[3])) if len(fields) > 3 else int(signal.SIGKILL)
+        action = fields[3] if len(fields) > 3 else "SIGKILL"
+        signum = HOLD if action == "hold" else int(getattr(signal, action))
         fault = _Fault(fields[0], int(fields[1]), rank, signum)
         faults.setdefault((fault.point, fault.step), []).append(fault)
     return faults
@@ -74,13 +88,24 @@ class FaultInjector:
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector | None:
         spec = os.environ.get(ENV_VAR, "")
-        return cls(spec, rank) if spec else None
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        return cls(spec, rank) if spec and not restarted else None
 
     def at(self, point: str, step: int) -> None:
         """Fire the faults armed for ``point`` at ``step`` on this rank (each once)."""
         faults = self._armed.get((point, step), [])
         while faults:
-            os.kill(os.getpid(), faults.pop(0).signum)
+            fault = faults.pop(0)
+            if fault.signum == HOLD:
+                self._hold(point, step)
+            else:
+                os.kill(os.getpid(), fault.signum)
+
+    def _hold(self, point: str, step: int) -> None:
+        held = Path(os.environ[HOLD_DIR_ENV]) / f"{point}-{step}-rank{self.rank}"
+        held.touch()
+        while held.exists():
+            time.sleep(0.01)  # polling the test's answer, not a guessed delay
 
     def loss_fn(self, loss_fn: Callable[..., torch.Tensor], step: int) -> Callable[..., torch.Tensor]:
         """``loss_fn`` for ``step`` on this rank: scaled by LOSS_SPIKE_FACTOR where ``loss_spike`` is armed."""

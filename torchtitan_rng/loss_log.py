@@ -14,23 +14,18 @@ writer is closed.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.errors import TorchtitanRngError
+from torchtitan_rng.errors import TorchtitanRngError, disk_full
 
 LOSS_LOG_NAME = "loss_log.jsonl"
 
 
 class LossLogError(TorchtitanRngError, ValueError):
     """A loss log that cannot be read or written; the message names the file (and line) and why."""
-
-
-# No space left, a file-size limit, a quota: to the user, all "the disk is full".
-_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 def _drop_cut_line(path: Path) -> None:
@@ -96,7 +91,7 @@ class LossLogWriter:
                 data = data[self.file.write(data) :]
             os.fsync(self.file.fileno())
         except OSError as err:
-            if err.errno not in _DISK_FULL:
+            if disk_full(err) is None:
                 raise
             raise LossLogError(f"{self.path}: the disk is full ({err.strerror}); free space and run the same "
                                "command again: it resumes from the last checkpoint and writes these steps "

@@ -235,8 +235,9 @@ class ExactResume:
         device: the device whose generator is captured along with the CPU ones; default: the model's.
         config: your own settings that shape the run (e.g. ``{"warmup": 100, "data": "v2"}``; JSON values),
             recorded with every checkpoint and compared at :meth:`load` like the rest of the record.
-        stop_signals: signals (e.g. ``("SIGTERM", "SIGUSR1")``) that only set a flag from now on; the
-            loader's workers ignore them. :meth:`should_stop` turns the flag into a save at an agreed step.
+        stop_signals: signals (e.g. ``("SIGTERM", "SIGUSR1", "SIGINT")``) that only set a flag from now on;
+            the loader's workers ignore them. :meth:`should_stop` turns the flag into a save at an agreed step.
+            With ``"SIGINT"`` listed, the first Ctrl-C stops so, and a second one ends the process at once.
 
     Every checkpoint records what the loop was built with: parameter names and shapes, the optimizer's
     type and hyperparameters per param group, the loader's batch size, seed, shuffle, sample count and

@@ -1,11 +1,14 @@
 """Preemption signals: a signal only sets a flag; the trainer turns it into "checkpoint and exit 0".
 
 A cluster ends a job with a signal (SLURM: SIGTERM at the time limit, or ``--signal=USR1@90`` ahead of
-it). Each rank handles the signals of ``signals.checkpoint_on``: the handler records the signal and
+it); a person at a terminal with Ctrl-C (SIGINT). Each rank handles the signals of ``signals.checkpoint_on``: the handler records the signal and
 returns, so a signal can never interrupt a checkpoint half-way (a second one during the save is only
 recorded again). At every step boundary the ranks vote on whether any of them got one
 (``distributed.StopVote``: a CPU all-reduce read one step later, so nobody waits); then all save at that
-same step and exit 0.
+same step and exit 0. SIGINT is the exception to "recorded again": the first Ctrl-C stops like any
+checkpoint signal and says so on stderr; from then on SIGINT has its default action, so a second Ctrl-C ends
+the process at once, without a save (the complete checkpoints stay; an unfinished ``.partial`` is never
+loaded).
 
 This module imports nothing heavy: ``train.py`` installs the handlers before torch is imported, so that a
 signal forwarded by torchrun during start-up does not kill a rank.
@@ -32,7 +35,14 @@ _received: list[str] = []
 _handled: set[int] = set()
 
 
+_INTERRUPT_NOTICE = (b"SIGINT: saving a checkpoint at the next step boundary, then exiting; press Ctrl-C again to "
+                     b"abort without saving\n")
+
+
 def _record(signum: int, frame: FrameType | None) -> None:
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the second Ctrl-C aborts
+        os.write(2, _INTERRUPT_NOTICE)  # not print(): a handler may run inside another write to sys.stderr
     _received.append(signal.Signals(signum).name)
 
 
@@ -66,7 +76,8 @@ def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
 
 def ignore_checkpoint_signals(worker_id: int = 0) -> None:
     """In a dataloader worker (forked from a rank, with its handlers): ignore the signals the rank
-    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save."""
+    handles. torch's workers would otherwise die of SIGTERM, and the rank with them, before it can save.
+    In a rank whose run is over: a late signal changes nothing."""
     for signum in _handled:
         signal.signal(signum, signal.SIG_IGN)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_rng.config import parse_args, usage
+from torchtitan_rng.config import Signals, parse_args, usage
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng import signals
 from torchtitan_rng.launch import orphans
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(usage("python -m torchtitan_rng.train"))
         return 0
-    signals.install()
+    signals.install(Signals().checkpoint_on)  # the defaults until the config is read
     try:
         config = parse_args(args)
         signals.install(config.signals.checkpoint_on)
@@ -30,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from torchtitan_rng.trainer import run
 
-    return run(config)
+    try:
+        return run(config)
+    finally:
+        # The run is over. Python puts caught signals back to their default action as it shuts down: a late
+        # SIGTERM (torchrun closing the ranks once one of them failed) would then replace this exit code.
+        signals.ignore_checkpoint_signals()
 
 
 if __name__ == "__main__":

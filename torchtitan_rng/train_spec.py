@@ -23,6 +23,22 @@ LossFn = Callable[[nn.Module, Batch, JobConfig], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class PipelineSplit:
+    """How a model splits into pipeline stages (``parallelism.pipeline_parallel_degree``): its repeated blocks
+    are the first of ``TrainSpec.block_lists``; the first stage also holds what comes before them, the last what
+    comes after. Parameter names stay those of the whole model, so a checkpoint keeps its keys."""
+
+    # (model, the block indices this rank holds, holds the first stage, holds the last): drop the rest in place.
+    prune: Callable[[nn.Module, set[int], bool, bool], None]
+    # (model, one stage's block indices, first, last): that stage's module, sharing the model's submodules.
+    stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]
+    # The last stage's output and the target: the micro-batch's loss (may draw from the global streams).
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    input_key: str  # the batch entry the first stage takes
+    target_key: str  # the batch entry the loss takes
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     """What ``model.name = NAME`` trains: model, dataset, loss and sharding, registered under ``name``."""
 
@@ -45,6 +61,8 @@ class TrainSpec:
     # The lists of repeated blocks (transformer layers) that activation checkpointing and compile wrap, and
     # that apply_fsdp shards one by one; None: the model has none (those options are then refused).
     block_lists: Callable[[nn.Module], list[nn.ModuleList]] | None = None
+    # How the model splits into pipeline stages; None: it does not (pipeline parallelism is then refused).
+    pipeline: PipelineSplit | None = None
 
 
 _specs: dict[str, TrainSpec] = {}

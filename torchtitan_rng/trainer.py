@@ -25,7 +25,7 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.config import JobConfig, as_flags
 from torchtitan_rng.data.dataloader import shutdown_workers
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
-from torchtitan_rng.distributed import StopVote, World, init_distributed, on_rank_zero, teardown
+from torchtitan_rng.distributed import StopVote, World, all_ranks_agree_any, init_distributed, on_rank_zero, teardown
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.launch import preflight, run_lock
@@ -68,6 +68,9 @@ class Trainer:
         config = self.config
         self.world = world = init_distributed(config)
         self._closing.callback(lambda: teardown(clean=not self._failed))
+        self.faults = FaultInjector.from_env(world.rank)
+        if self.faults is not None:
+            self.faults.at("startup", 0)
         self.stop_vote = StopVote()
         self.dump_folder = Path(config.job.dump_folder)
         _take_run_lock(world, self.dump_folder)
@@ -80,7 +83,6 @@ class Trainer:
         self._closing.callback(lambda: shutdown_workers(parts.dataloader))
         self.probe = StreamProbe(config, self.plan, rank=world.rank, world_size=world.world_size,
                                  dataloader=parts.dataloader)
-        self.faults = FaultInjector.from_env(world.rank)
         self.skipped_steps = skipped_steps(config)
         self.checkpointer = CheckpointManager(
             self.dump_folder / config.checkpoint.folder,
@@ -133,6 +135,12 @@ class Trainer:
             return
 
         data_iter = iter(self.parts.dataloader)
+        # A signal during start-up (build, resume, the workers' start): nothing new to save, a clean exit.
+        if all_ranks_agree_any(signals.received() is not None, world.device):
+            self._failed = False
+            self._log(f"stopped by {signals.received() or 'a signal to another rank'} during start-up, before step "
+                      f"{train_state.step + 1}: nothing new to save; {preflight.how_to_resume(config)}")
+            return
         samples = SampleLog(world.rank, world.world_size) if config.metrics.log_samples else None
         batches = samples.batches(data_iter) if samples is not None else data_iter
         # The global streams, last thing before the first step: after model build, the loader's iterator and
@@ -210,6 +218,8 @@ class Trainer:
             record["skipped"] = skip
         parts.lr_scheduler.step()  # on the same curve either way
         if parts.spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
+            if self.faults is not None:
+                self.faults.at("validation", step)
             with preserved_global_rng(self.world.device):
                 record.update(parts.spec.validate(parts.model, config, step, self.dump_folder, self.world.device))
         return record

@@ -14,7 +14,6 @@ Errors name this class's parameters; test hooks (fault injection) are handed in,
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import time
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import first_line
-from torchtitan_rng.errors import CheckpointError
+from torchtitan_rng.errors import CheckpointError, disk_full
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
@@ -51,25 +50,10 @@ def _first_failure(err: CheckpointException) -> BaseException:
     return next(iter(err.failures.values()))[0]
 
 
-# No space left, a file-size limit, a quota: to the user, all "the disk is full".
-_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def _disk_full(err: BaseException) -> bool:
-    """Whether a write failed for lack of space. torch's writer reports a short write as "unexpected pos";
-    the OSError behind it is in the exception's context."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _save_failure(step: int, folder: Path, err: BaseException) -> CheckpointError:
     """One line for a failed save: "the disk is full" when it is, else the original error's first line."""
     cause = _first_failure(err) if isinstance(err, CheckpointException) else err
-    if _disk_full(cause):
+    if disk_full(cause):
         return CheckpointError(f"saving step {step} into {folder} failed: the disk is full; the complete "
                                "checkpoints there are kept (this one stays an unfinished .partial, never loaded): free space, then resume")
     return CheckpointError(f"saving step {step} into {folder} failed: {type(cause).__name__}: {first_line(cause)}")

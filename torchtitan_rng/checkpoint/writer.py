@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from torchtitan_rng.errors import disk_full
+
 
 COPY_AHEAD_BYTES = 64 * 2**20
 
@@ -33,5 +35,12 @@ class ChecksummedFileSystemWriter(FileSystemWriter):
         torch.serialization.set_crc32_options(False)
         try:
             return super().write_data(plan, planner)
+        except Exception as err:
+            full = disk_full(err)
+            if full is None:
+                raise
+            # DCP hands a rank's failure to the coordinator pickled, which drops the chain behind
+            # "unexpected pos": the OSError itself (its errno survives pickling) says "the disk is full".
+            raise OSError(full.errno, full.strerror) from err
         finally:
             torch.serialization.set_crc32_options(previous)

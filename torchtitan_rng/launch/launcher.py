@@ -17,6 +17,7 @@ It runs torchrun in this process (this process *is* the torchrun parent) with th
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -26,19 +27,35 @@ from pathlib import Path
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from torchtitan_rng import device
 from torchtitan_rng import signals
 from torchtitan_rng.launch import orphans, preflight, run_lock
 from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.config import as_flags, parse_args
-from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
+from torchtitan_rng.errors import EXIT_CODE, ConfigError, TorchtitanRngError, report
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
     """The process count when it is fixed (not an elastic range, not ``auto``)."""
     return int(nnodes) * int(nproc_per_node) if nnodes.isdigit() and nproc_per_node.isdigit() else None
+
+
+def _failed(failures: dict[int, ProcessFailure]) -> int:
+    """The exit code of a run whose ranks failed, the same whichever rank failed first: 2 when a rank
+    reported its error (its one line; all ranks report a failed save), else the lowest failed rank's."""
+    reported = sorted(rank for rank, failure in failures.items() if failure.exitcode == EXIT_CODE)
+    if reported:
+        if 0 not in failures:  # rank 0's output is the one shown, and it did not fail
+            print(f"error: rank {reported[0]} failed; its one-line message is in its own output",
+                  file=sys.stderr, flush=True)
+        return EXIT_CODE
+    rank, failure = min(failures.items())
+    code = failure.exitcode
+    reason = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+    print(f"error: rank {rank} failed ({reason}); its message is above", file=sys.stderr, flush=True)
+    return code if code > 0 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             preflight.refuse_restart_over_history(config)
     except TorchtitanRngError as err:
         return report(err, as_flags)
+    # torchrun's own lines on a rank's exit ("failed (exitcode: 2)", "closing signal SIGTERM"): the ranks'
+    # messages and this launcher's one line say it.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
@@ -81,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{preflight.how_to_resume(config).removesuffix(' to resume')}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        code = failure.exitcode
-        reason = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        print(f"error: rank {rank} failed ({reason}); its message is above", file=sys.stderr, flush=True)
-        return code if code > 0 else 1
+        return _failed(err.failures)
     finally:
         shutil.rmtree(exit_dir, ignore_errors=True)
         if lock is not None:

@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from torchtitan_rng.errors import TorchtitanRngError
+from torchtitan_rng.errors import TorchtitanRngError, disk_full
 
 LOCK_NAME = ".run.lock"
 TOKEN_ENV = "TORCHTITAN_RNG_RUN_LOCK"
@@ -172,7 +172,13 @@ def acquire(dump_folder: str | Path) -> RunLock:
                 ) from None
             path.unlink(missing_ok=True)  # a dead run's lock (two runs taking it over at once: not handled)
             continue
-        with os.fdopen(fd, "w") as file:
-            json.dump(record, file)
+        try:
+            with os.fdopen(fd, "w") as file:
+                json.dump(record, file)
+        except OSError as err:  # a full disk: no half-written lock may stay to refuse the next run
+            path.unlink(missing_ok=True)
+            problem = "the disk is full" if disk_full(err) else err.strerror
+            raise RunLockError(f"could not write the run lock {path}: {problem}; free space in "
+                               f"{path.parent} (or pass another --job.dump_folder), then run again") from None
         return RunLock(path, token, owned=True)
     raise RunLockError(f"could not take the lock {path}: other runs keep taking it; try again")

@@ -8,15 +8,17 @@ resume, the launcher's preflight and the diagnosis ask the plan and never which 
   (:meth:`wrap`);
 * which micro-batches a rank runs (:meth:`batch_sampler`, :attr:`micro_batches_per_rank`) and how many samples
   a step takes (:attr:`samples_per_step`);
-* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`), and how they are
-  clipped (:meth:`clip_grad_norm`);
+* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`), and the norm they
+  are clipped by (:meth:`clip_grad_norm`);
+* which ranks read the same batches (:attr:`data_shard`);
 * which streams enter a step (:attr:`carries_streams`, :meth:`step_streams`, :meth:`data_position`);
 * what the checkpoint records about the layout, what a checkpoint of another layout or process count means
   (:meth:`record_parts`, :meth:`check_checkpoint`), and where the data stands after a resume
   (:meth:`position_data`).
 
-Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes) and
-``invariant/`` (world-size-invariant: the same bits at any process count).
+Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes),
+``pipeline.py`` (pipeline stages x FSDP2) and ``invariant/`` (world-size-invariant: the same bits at any
+process count).
 """
 
 from __future__ import annotations
@@ -106,20 +108,25 @@ class ParallelPlan(ABC):
         """Run this rank's micro-batches of ``step``, leave the step's gradients in ``p.grad`` (reduced over the
         ranks), and return the step's loss as logged (the same value on every rank)."""
 
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Clip the step's gradients to ``max_norm`` (none when ``<= 0``) and return their total norm as a 0-d
-        tensor on the device (the loss log reads it later, with no sync here)."""
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm
-
     # --- streams and data position -----------------------------------------------------------------------
     @property
     @abstractmethod
     def carries_streams(self) -> bool:
         """True when the global streams go on from step to step (saved and restored with the checkpoint);
         False when each step seeds them itself."""
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients by the total norm of the whole model's (``max_norm`` 0: off) and return
+        that norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
+        return self.world.rank, self.world.world_size
 
     def step_streams(self, step: int) -> ContextManager:
         """Within it, the global streams stand as the first micro-batch of ``step`` on this rank will draw them

@@ -24,6 +24,8 @@ class LlamaArgs:
 FLAVORS: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(),
     "small": LlamaArgs(dim=256, n_layers=4, n_heads=8, hidden_dim=688),
+    # debug's width with four blocks: enough to split into four pipeline stages (two per rank, interleaved).
+    "debug4": LlamaArgs(n_layers=4),
     # 85M parameters with a byte-level vocabulary (341 MB in float32): the benchmarks that need a large model.
     "bench": LlamaArgs(dim=768, n_layers=12, n_heads=12, hidden_dim=2048, dropout=0.0),
 }
@@ -105,3 +107,41 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))
+
+
+class LlamaStage(nn.Module):
+    """A pipeline stage of a :class:`Llama`: some of its blocks, with the embedding before them (first stage)
+    or the norm and output after them (last stage); the modules are the model's own, so their parameters keep
+    the model's names in a checkpoint. The same computation as :meth:`Llama.forward` over the same blocks."""
+
+    def __init__(self, model: Llama, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.embed_dropout = model.embed_dropout
+        self.layers = nn.ModuleList(model.layers[index] for index in layers)
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed_dropout(self.embed(x))
+        seq = x.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x)) if self.output is not None else x
+
+
+def prune_to_stages(model: Llama, layers: set[int], first: bool, last: bool) -> None:
+    """Keep only what this rank's stages hold: other blocks become parameterless placeholders (the kept ones
+    keep their index, hence their names), and the embedding, norm and output go where no stage here has them."""
+    for index in range(len(model.layers)):
+        if index not in layers:
+            model.layers[index] = nn.Identity()
+    if not first:
+        model.embed = None
+    if not last:
+        model.norm = None
+        model.output = None

@@ -12,8 +12,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.token_files import vocab_size
 from torchtitan_rng.models.llama.dataset import build_text_dataset
-from torchtitan_rng.models.llama.model import FLAVORS, Llama
-from torchtitan_rng.train_spec import Batch, TrainSpec, register_train_spec
+from torchtitan_rng.models.llama.model import FLAVORS, Llama, LlamaStage, prune_to_stages
+from torchtitan_rng.train_spec import Batch, PipelineSplit, TrainSpec, register_train_spec
 
 
 def build_llama(config: JobConfig) -> Llama:
@@ -27,8 +27,11 @@ def build_llama(config: JobConfig) -> Llama:
 
 
 def llama_loss(model: nn.Module, batch: Batch, config: JobConfig) -> torch.Tensor:
-    logits = model(batch["input"])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+    return next_token_loss(model(batch["input"]), batch["labels"])
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 def shard_llama(model: nn.Module, mesh: object, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
@@ -47,5 +50,7 @@ register_train_spec(
         items_per_sample=lambda config: config.training.seq_len,
         throughput_unit="tokens",
         block_lists=lambda model: [model.layers],
+        pipeline=PipelineSplit(prune=prune_to_stages, stage=LlamaStage, loss=next_token_loss, input_key="input",
+                               target_key="labels"),
     )
 )

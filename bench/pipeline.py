@@ -1,0 +1,67 @@
+"""Benchmark: training step time with pipeline parallelism (pp 2 under each schedule) against none (FSDP2
+over the same processes), the same model, data and process count.
+
+Each layout is one launch of the real trainer (gloo on the CPU); its progress lines (every ``--log-freq``
+steps) give the time per step, and the first line (start-up, first-step shape inference) is left out. The
+layouts alternate over rounds, so that drift in the machine's load hits them alike; the table gives each
+layout's median step time and its ratio to no pipeline.
+
+    python -m bench.pipeline [--quick] [--flavor debug4] [--nproc 2] [--rounds R --steps S --log-freq F]
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+from bench.common import DEBUG_CONFIG, median, parser, scratch_parent, spread, table
+from torchtitan_rng.launch.runs import run_training
+
+_MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
+# pp 2 with micro-batches of 2 samples: a schedule run of 4 micro-batches (local batch 8).
+_PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
+LAYOUTS = {
+    "no pipeline (FSDP2 over all)": [],
+    "pp 2, GPipe": [*_PP2, "--parallelism.pipeline_parallel_schedule", "GPipe"],
+    "pp 2, 1F1B": [*_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "pp 2, Interleaved1F1B": [*_PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+}
+
+
+def step_times(overrides: list[str], nproc: int, steps: int, log_freq: int) -> list[float]:
+    """ms per step of each progress line after the first, from one launch of the trainer."""
+    with tempfile.TemporaryDirectory(dir=scratch_parent()) as dump:
+        proc = run_training(DEBUG_CONFIG, ["--job.dump_folder", dump, "--training.steps", str(steps),
+                                           "--metrics.log_freq", str(log_freq), *overrides], nproc=nproc,
+                            env={"OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"the run {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return [float(value) for value in _MS_PER_STEP.findall(proc.stdout)][1:]
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0])
+    args.add_argument("--flavor", default="debug4", help="llama flavor (debug4: 4 blocks, enough for 4 stages)")
+    args.add_argument("--nproc", type=int, default=2)
+    args.add_argument("--rounds", type=int, default=0)
+    args.add_argument("--steps", type=int, default=0)
+    args.add_argument("--log-freq", type=int, default=4)
+    args = args.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (12 if args.quick else 24)
+    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for round_index in range(rounds):
+        order = list(LAYOUTS) if round_index % 2 == 0 else list(reversed(LAYOUTS))
+        for name in order:
+            times[name] += step_times([*LAYOUTS[name], "--model.flavor", args.flavor], args.nproc, steps,
+                                      args.log_freq)
+    baseline = median(times["no pipeline (FSDP2 over all)"])
+    rows = [[name, f"{median(values):.1f}", spread(values), f"{median(values) / baseline:.2f}"]
+            for name, values in times.items()]
+    table(f"Pipeline parallelism: step time on {args.nproc} processes (llama {args.flavor}, local batch 8, "
+          f"{rounds} round(s) of {steps} steps, every {args.log_freq}th step timed after the first)",
+          ["layout", "ms/step (median)", "min..max", "vs no pipeline"], rows)
+
+
+if __name__ == "__main__":
+    main()

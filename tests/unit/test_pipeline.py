@@ -1,0 +1,126 @@
+"""Pipeline parallelism without training: which plan a config gets, how layers split into stages and stages
+over ranks, the one-line refusals of what cannot run, and a layout change at a resume refused by the run
+record, one line per key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.support.launch import REPO
+from torchtitan_rng import resume
+from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
+from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.errors import CheckpointError
+from torchtitan_rng.config import ConfigError, JobConfig, parse_args
+from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel.data_parallel import DataParallelPlan
+from torchtitan_rng.parallel.pipeline import PipelinePlan, stage_layers, stages_of_rank
+
+CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
+
+
+def _config(*overrides: str) -> JobConfig:
+    return parse_args(["--job.config_file", CONFIG, *overrides])
+
+
+def _pp(degree: int, schedule: str, *overrides: str) -> JobConfig:
+    return _config("--parallelism.pipeline_parallel_degree", str(degree),
+                   "--parallelism.pipeline_parallel_schedule", schedule, *overrides)
+
+
+def test_plan_class_is_the_pipeline_plan_from_degree_2() -> None:
+    assert plan_class(_config()) is DataParallelPlan
+    assert plan_class(_pp(2, "1F1B")) is PipelinePlan
+
+
+@pytest.mark.parametrize(("schedule", "layers", "split", "expected"), [
+    ("1F1B", 2, (), [[0], [1]]),
+    ("GPipe", 5, (), [[0, 1, 2], [3, 4]]),
+    ("Interleaved1F1B", 4, (), [[0], [1], [2], [3]]),
+    ("1F1B", 4, ("layers.1",), [[0], [1, 2, 3]]),
+])
+def test_layers_split_evenly_or_at_the_split_points(schedule: str, layers: int, split: tuple[str, ...],
+                                                    expected: list[list[int]]) -> None:
+    overrides = ("--parallelism.pipeline_parallel_split_points", ",".join(split)) if split else ()
+    assert stage_layers(_pp(2, schedule, *overrides), layers) == expected
+
+
+def test_stages_over_ranks_looped_and_v() -> None:
+    looped = _pp(2, "Interleaved1F1B")
+    assert [stages_of_rank(looped, rank) for rank in (0, 1)] == [[0, 2], [1, 3]]
+    v_shape = _pp(2, "ZBVZeroBubble")
+    assert [stages_of_rank(v_shape, rank) for rank in (0, 1)] == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize(("config", "world_size", "fragment"), [
+    (_pp(2, "1F1B", "--parallelism.world_size_invariant"), 2, "the world-size-invariant mode does not split"),
+    (_pp(2, "1F1B"), 3, "does not divide the 3 processes started"),
+    (_pp(2, "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "3"), 2, "does not divide "
+     "training.local_batch_size = 8"),
+    (_pp(2, "1F1B", "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2"), 2, "runs one stage per "
+     "rank, and 3 stages"),
+    (_pp(2, "Interleaved1F1B", "--parallelism.pipeline_parallel_split_points", "layers.1"), 2, "two or more "
+     "stages per rank"),
+    (_pp(2, "1F1B", "--parallelism.pipeline_parallel_split_points", "block.1"), 2, "a split point is layers.N"),
+    (_pp(2, "1F1B", "--validation.enable"), 2, "turn validation off"),
+])
+def test_what_cannot_run_is_refused_in_one_line(config: JobConfig, world_size: int, fragment: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        PipelinePlan.check_config(config, world_size)
+    assert "\n" not in str(refused.value) and fragment in str(refused.value), str(refused.value)
+
+
+def test_too_few_layers_for_the_stages_is_refused() -> None:
+    with pytest.raises(ConfigError, match="the model has 2 layers, too few for 4 pipeline stages"):
+        stage_layers(_pp(2, "Interleaved1F1B"), 2)
+
+
+class _Samples:
+    def __len__(self) -> int:
+        return 64
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--parallelism.pipeline_parallel_degree", "1"),
+    ("--parallelism.pipeline_parallel_schedule", "GPipe"),
+    ("--parallelism.pipeline_parallel_microbatch_size", "2"),
+    ("--parallelism.pipeline_parallel_split_points", "layers.1"),
+])
+def test_a_layout_change_at_resume_is_refused_in_one_line(flag: str, value: str) -> None:
+    """A checkpoint of pp 2 under 1F1B continued with another degree, schedule, micro-batch size or split: one
+    line naming the key and the opt-in, which then names the change in a WARNING."""
+    saved = resume.build_record(_pp(2, "1F1B"), _Samples())
+    changed = resume.build_record(_pp(2, "1F1B", flag, value), _Samples())
+    key = flag[2:]
+    with pytest.raises(run_record.ConfigDriftError) as refused:
+        run_record.check_resume(Path("ckpt/step-2"), saved, changed, [])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{key} = ") and \
+        f"--checkpoint.allow_config_change {key}" in message, message
+    warnings = run_record.check_resume(Path("ckpt/step-2"), saved, changed, [key])
+    assert len(warnings) == 1 and warnings[0].startswith(f"WARNING: {key} = "), warnings
+
+
+def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> None:
+    """A checkpoint of 4 processes resumed by 2: ordinary data parallelism may reseed, stages may not (the
+    reseeded data split counts processes, not data-parallel ranks)."""
+    dcp.save({TRAIN_STATE: {rank_key(rank): torch.tensor(rank) for rank in range(4)}}, checkpoint_id=str(tmp_path))
+    info = inspect_checkpoint(tmp_path)
+    assert DataParallelPlan.check_checkpoint(info, 2, "reseed") is True
+    with pytest.raises(CheckpointError) as refused:
+        PipelinePlan.check_checkpoint(info, 2, "reseed")
+    assert "saved by 4 processes and this run has 2" in str(refused.value)
+    assert "reseed" not in str(refused.value)
+    assert PipelinePlan.check_checkpoint(info, 4, "reseed") is False
+
+
+def test_sample_keys_are_those_of_each_ranks_data_parallel_column() -> None:
+    """pp 2 x dp 2: ranks 0 and 2 (dp rank 0) load what dp rank 0 of two processes would, ranks 1 and 3 dp 1's."""
+    config = _pp(2, "1F1B")
+    column = DataParallelPlan.step_sample_keys(config, 64, 2, 3)
+    assert PipelinePlan.step_sample_keys(config, 64, 4, 3) == [column[0], column[1], column[0], column[1]]

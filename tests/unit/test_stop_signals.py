@@ -1,0 +1,85 @@
+"""Stop signals without a training run: dataloader workers ignore every signal their rank stops on (Ctrl-C
+included); the first SIGINT only records a stop, and a second one ends the process; the launcher's exit code
+is 2 whichever rank failed first; a fault armed for a run fires in its first attempt only."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from tests.support.launch import REPO, run_env
+from torchtitan_rng.fault_injection import FaultInjector
+from torchtitan_rng.launch.launcher import _failed
+
+WORKER_DISPOSITIONS = """
+import signal, torch
+import torchtitan_rng
+from torchtitan_rng import signals
+from torchtitan_rng.data.dataloader import shutdown_workers
+
+signals.install(("SIGTERM", "SIGUSR1", "SIGINT"))
+class Dispositions(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        return torch.tensor([int(signal.getsignal(s) == signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)])
+loader = torchtitan_rng.build_dataloader(Dispositions(), batch_size=1, seed=0, num_workers=1)
+print(next(iter(loader)).tolist(), flush=True)
+shutdown_workers(loader)
+"""
+
+TWO_CTRL_C = """
+import os, signal
+from torchtitan_rng import signals
+
+signals.install(("SIGTERM", "SIGINT"))
+os.kill(os.getpid(), signal.SIGINT)
+print("first:", signals.received(), flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+print("still alive after the second")
+"""
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=run_env())
+
+
+def test_dataloader_workers_ignore_the_stop_signals() -> None:
+    proc = _python(WORKER_DISPOSITIONS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[[1, 1, 1]]"  # SIGTERM, SIGUSR1, SIGINT: ignored in the worker
+
+
+def test_first_ctrl_c_records_a_stop_and_the_second_ends_the_process() -> None:
+    proc = _python(TWO_CTRL_C)
+    assert proc.stdout == "first: SIGINT\n"
+    assert proc.returncode == -signal.SIGINT
+    assert proc.stderr.startswith("SIGINT: saving a checkpoint at the next step boundary") and proc.stderr.count("\n") == 1
+
+
+def _failure(rank: int, exitcode: int) -> ProcessFailure:
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="")
+
+
+@pytest.mark.parametrize("rank0, rank1", [(2, 2), (2, -signal.SIGTERM), (-signal.SIGTERM, 2), (-signal.SIGKILL, 2)])
+def test_launcher_exit_code_is_2_whichever_rank_failed_first(rank0: int, rank1: int,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    assert _failed({0: _failure(0, rank0), 1: _failure(1, rank1)}) == 2
+    assert capsys.readouterr().err == ""  # rank 0's own line is the one line
+
+
+def test_launcher_names_a_reporting_rank_whose_output_is_not_shown(capsys: pytest.CaptureFixture) -> None:
+    assert _failed({1: _failure(1, 2)}) == 2
+    assert capsys.readouterr().err == "error: rank 1 failed; its one-line message is in its own output\n"
+
+
+def test_faults_fire_in_the_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHTITAN_RNG_FAULT", "before_step:3:1:SIGKILL")
+    assert FaultInjector.from_env(1) is not None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert FaultInjector.from_env(1) is None
