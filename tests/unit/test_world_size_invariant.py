@@ -1,5 +1,5 @@
-"""World-size-invariant training, its pieces: the global sampler, the canonical sum (on real gloo processes),
-the constraints on the layout."""
+"""World-size-invariant training, its pieces: the global sampler, the slot-order sum and the grad norm (on real
+gloo processes), the constraints on the layout."""
 
 from __future__ import annotations
 
@@ -9,49 +9,95 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tests.support.checks import float_bits
 
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
-from torchtitan_rng.parallel.invariant.reduction import butterfly_sum, tree_sum
+from torchtitan_rng.parallel.invariant.reduction import SlotOrderExchange, grad_norm
 from torchtitan_rng.parallel.invariant.setup import plan_layout
 from torchtitan_rng.models.llama.spec import build_text_dataset
 
 
 def test_global_sampler_places_micro_batches_by_global_position() -> None:
-    """Slot j of step t holds the same keys whatever the process count; rank r takes a contiguous block."""
+    """Slot j of step t holds the same keys whatever the process count; rank r takes slots r, r + world, ..."""
     def slots(world: int) -> list[list[int]]:
-        samplers = [GlobalBatchSampler(20, 3, 4, rank, world, seed=7) for rank in range(world)]
-        per_step = [[next(s) for _ in range(4 // world)] for _ in range(5) for s in samplers]
-        return [batch for block in per_step for batch in block]
+        samplers = [GlobalBatchSampler(20, 3, 12, rank, world, seed=7) for rank in range(world)]
+        # Step by step, round by round, rank by rank: slot order.
+        return [next(s) for _ in range(5) for _ in range(12 // world) for s in samplers]
 
     single = slots(1)
-    assert slots(2) == single and slots(4) == single
+    assert slots(2) == single and slots(3) == single and slots(4) == single
     assert len({key for batch in single for key in batch}) > 20  # crosses epochs: keys carry the epoch
-    resumed = GlobalBatchSampler(20, 3, 4, 1, 2, seed=7)
+    resumed = GlobalBatchSampler(20, 3, 12, 1, 2, seed=7)
     resumed.load_state_dict({"step": 3, "slot": 0})
-    assert next(resumed) == single[3 * 4 + 2]  # step 3, slot 2: rank 1's first of 2
-    assert GlobalBatchSampler(20, 3, 4, 0, 1, seed=8).keys_of(0, 0) != single[0]  # control: another seed
+    assert next(resumed) == single[3 * 12 + 1]  # step 3: rank 1 of 2 starts at slot 1
+    assert GlobalBatchSampler(20, 3, 12, 0, 1, seed=8).keys_of(0, 0) != single[0]  # control: another seed
 
 
-def _sum_worker(rank: int, world: int, store: str, leaves: torch.Tensor, out: str) -> None:
-    """This rank's block of leaves summed twice: in the canonical tree, and in order then one all-reduce."""
+MICRO_BATCHES = 6
+
+
+def _gradients() -> torch.Tensor:
+    """One flat "gradient" per micro-batch, magnitudes over six decades (so that the order of a sum shows)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(MICRO_BATCHES, 3 * 4096, generator=generator) * torch.logspace(-3, 3, 3 * 4096)
+
+
+def _norm_grads() -> list[torch.Tensor]:
+    """Gradients whose rows do not split evenly over 3 processes (10 rows: 4, 4, 2), and a vector."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(10, 700, generator=generator) * torch.logspace(-3, 3, 700), torch.randn(5, generator=generator)]
+
+
+def _sum_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Rank ``rank`` runs slots rank, rank + world, ...: their gradients summed by the slot-order exchange; and
+    the control, each rank's own sum then one all-reduce. Then the grad norm of DTensor-sharded gradients."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    per_rank = len(leaves) // world
-    first = rank * per_rank
-    canonical = butterfly_sum(tree_sum(first, first + per_rank, lambda j: leaves[j].clone()), rank, world)
-    plain = leaves[first : first + per_rank].sum(0)
+    gradients = _gradients()
+    exchange = SlotOrderExchange()
+    exchange.begin_step()
+    for slot in range(rank, MICRO_BATCHES, world):
+        gradient = exchange.allocate(gradients[slot].shape, dtype=torch.float32, device=torch.device("cpu"))
+        gradient.copy_(gradients[slot])
+        shard = exchange.allocate((gradients.shape[1] // world,), dtype=torch.float32, device=torch.device("cpu"))
+        exchange(shard, gradient, dist.group.WORLD)
+    plain = gradients[rank::world].sum(0)
     dist.all_reduce(plain)
-    torch.save({"canonical": canonical, "plain": plain}, f"{out}.{rank}")
+    mesh = init_device_mesh("cpu", (world,))
+    params = []
+    for grad in _norm_grads():
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(grad), mesh, [Shard(0)]))
+        param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+        params.append(param)
+    squares = sum(p.grad.to_local().square().sum() for p in params)
+    dist.all_reduce(squares)  # the control: each rank's sum of squares, then one all-reduce
+    torch.save({"exchange": exchange.shard, "plain": plain, "norm": grad_norm(params, world),
+                "plain_norm": squares.sqrt()}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def test_canonical_sum_same_bits_on_4_processes_as_on_one_plain_all_reduce_differs(tmp_path: Path) -> None:
-    leaves = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 4096)
-    one_process = tree_sum(0, 8, lambda j: leaves[j].clone()).view(torch.int32)
-    mp.spawn(_sum_worker, args=(4, str(tmp_path / "store"), leaves, str(tmp_path / "sum")), nprocs=4)
-    sums = [torch.load(tmp_path / f"sum.{rank}") for rank in range(4)]
-    assert all(torch.equal(s["canonical"].view(torch.int32), one_process) for s in sums)
-    assert not torch.equal(sums[0]["plain"].view(torch.int32), one_process)  # the control
+def test_slot_order_sum_and_norm_same_bits_on_3_processes_as_on_one_plain_all_reduce_differs(tmp_path: Path) -> None:
+    gradients = _gradients()
+    one_process = gradients[0].clone()
+    for slot in range(1, MICRO_BATCHES):
+        one_process += gradients[slot]  # autograd's accumulation: the first assigned, each next added
+    params = []
+    for grad in _norm_grads():
+        params.append(torch.nn.Parameter(torch.zeros_like(grad)))
+        params[-1].grad = grad
+    one_process_norm = grad_norm(params, 1)
+    plain_norm = sum(p.grad.square().sum() for p in params).sqrt()
+    mp.spawn(_sum_worker, args=(3, str(tmp_path / "store"), str(tmp_path / "sum")), nprocs=3)
+    results = [torch.load(tmp_path / f"sum.{rank}") for rank in range(3)]
+    shards = torch.cat([r["exchange"] for r in results])
+    assert torch.equal(shards.view(torch.int32), one_process.view(torch.int32))
+    assert all(float_bits(r["norm"].item()) == float_bits(one_process_norm.item()) for r in results)
+    # The controls: the same sums with each rank's partial sum all-reduced differ.
+    assert not torch.equal(results[0]["plain"].view(torch.int32), one_process.view(torch.int32))
+    assert float_bits(results[0]["plain_norm"].item()) != float_bits(plain_norm.item())
 
 
 def test_constraints_are_one_line_config_errors() -> None:
@@ -65,9 +111,10 @@ def test_constraints_are_one_line_config_errors() -> None:
 
     assert "needs training.global_batch_size" in refusal(1)
     assert "not a multiple of training.local_batch_size" in refusal(1, "--training.global_batch_size", "20")
-    assert "power-of-two number of processes" in refusal(3, "--training.global_batch_size", "48")
-    assert "divides the 2 micro-batches" in refusal(4, "--training.global_batch_size", "16")
-    assert "leave parallelism.data_parallel_shard_degree at -1" in refusal(
-        2, "--training.global_batch_size", "16", "--parallelism.data_parallel_shard_degree", "2")
+    assert "divides the 2 micro-batches per step (global / local batch size); got 4 processes: use 1, 2," in refusal(
+        4, "--training.global_batch_size", "16")
+    assert "got 4 processes: use 1, 2, 3, 6," in refusal(4, "--training.global_batch_size", "48")
+    plan_layout(parse_args(["--parallelism.world_size_invariant", "--training.global_batch_size", "48"]), 2, 3,
+                dataset)  # 3 processes split 6 micro-batches
     assert "drop --data.streaming" in refusal(1, "--training.global_batch_size", "16", "--data.streaming")
     assert plan_layout(parse_args(["--training.global_batch_size", "32"]), 3, 4, dataset).first_slot == 3

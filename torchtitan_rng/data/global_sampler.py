@@ -4,8 +4,8 @@ The samples of a run form one stream: epoch after epoch, each the permutation de
 ``(seed, "sampler", epoch)`` (the same permutation :class:`~torchtitan_rng.data.sampler.ResumableBatchSampler`
 uses), nothing dropped. Step ``t`` (0-based) takes ``micro_batches`` micro-batches of ``batch_size`` samples
 from it; micro-batch slot ``j`` of step ``t`` holds stream positions ``(t * micro_batches + j) * batch_size``
-onward, whatever the number of processes. Rank ``r`` of ``world`` processes takes the contiguous block of
-slots ``r * k .. r * k + k - 1`` with ``k = micro_batches / world``.
+onward, whatever the number of processes. Rank ``r`` of ``world`` processes takes slots ``r, r + world, r + 2 * world,
+...``: ``micro_batches / world`` of them, one per round of the step.
 
 Its state is the global position (steps done, and the slot inside this rank's block), so at a step
 boundary every rank holds the same state and a checkpoint of 4 processes positions 2 or 1 of them.
@@ -31,10 +31,11 @@ class GlobalBatchSampler:
         self.micro_batches = micro_batches
         self.per_rank = micro_batches // world
         self.rank = rank
+        self.world = world
         self.seed = seed
         self.shuffle = shuffle
         self.step = 0  # steps whose micro-batches this rank has all handed out
-        self.slot = 0  # micro-batches of the current step handed out (0 .. per_rank - 1)
+        self.slot = 0  # micro-batches of the current step handed out (rounds, 0 .. per_rank - 1)
         self._epoch: int | None = None
         self._order: list[int] = []
 
@@ -54,7 +55,7 @@ class GlobalBatchSampler:
         return self
 
     def __next__(self) -> list[int]:
-        keys = self.keys_of(self.step, self.rank * self.per_rank + self.slot)
+        keys = self.keys_of(self.step, self.slot * self.world + self.rank)
         self.slot += 1
         if self.slot == self.per_rank:
             self.step, self.slot = self.step + 1, 0

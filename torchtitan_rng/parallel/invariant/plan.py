@@ -1,19 +1,22 @@
-"""The world-size-invariant plan: every step the same bits at any power-of-two process count.
+"""The world-size-invariant plan: every step the same bits at any process count that divides the step's
+micro-batches.
 
-A step's ``training.global_batch_size / training.local_batch_size`` micro-batches are split into contiguous
-blocks, one per rank (``step.py``), summed in one canonical tree (``reduction.py``); parameters are replicated
-(no FSDP), every process runs fixed kernels, and each micro-batch seeds the global streams from
-``(seed, step, slot)``: no stream is carried from step to step, and the data position follows from the step
-alone, so a checkpoint continues at any process count (``record.py`` marks it as this mode's).
+A step's ``training.global_batch_size / training.local_batch_size`` micro-batches are dealt round by round,
+one per rank (``step.py``), and summed in slot order (``reduction.py``); on several processes FSDP2 shards
+parameters, gradients and optimizer state (its reduce-scatter replaced by the slot-order exchange), every
+process runs fixed kernels, and each micro-batch seeds the global streams from ``(seed, step, slot)``: no
+stream is carried from step to step, and the data position follows from the step alone, so a checkpoint
+continues at any such process count (``record.py`` marks it as this mode's; DCP reshards it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
@@ -21,16 +24,17 @@ from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel import wrapping
-from torchtitan_rng.parallel.invariant import setup, step as invariant_step
+from torchtitan_rng.parallel.invariant import reduction, setup, step as invariant_step
 from torchtitan_rng.parallel.invariant.record import RECORD_PART, InvariantRecord, check_checkpoint_mode
 from torchtitan_rng.parallel.plan import ParallelPlan, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 class InvariantPlan(ParallelPlan):
-    """``parallelism.world_size_invariant``: this rank's block of each step's micro-batches, a canonical sum."""
+    """``parallelism.world_size_invariant``: one micro-batch per rank per round of a step, summed in slot order."""
 
     layout: invariant_step.Layout | None = None  # set by batch_sampler(), which sees the dataset
+    exchanges: Sequence[reduction.SlotOrderExchange] = ()  # set by wrap() when sharded
 
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
@@ -43,11 +47,12 @@ class InvariantPlan(ParallelPlan):
 
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
-        """Global slots in order, the same at any process count."""
-        micro_batches = setup.check_batch_layout(config, 1)
+        """Rank-major: rank r's slots r, r + W, ... (``step.Layout``); the same micro-batches at any count."""
+        micro_batches = setup.check_batch_layout(config, world_size)
         sampler = GlobalBatchSampler(num_samples, config.training.local_batch_size, micro_batches, 0, 1,
                                      config.debug.seed)
-        return [sampler.keys_of(step - 1, slot) for slot in range(micro_batches)]
+        return [sampler.keys_of(step - 1, slot) for rank in range(world_size)
+                for slot in range(rank, micro_batches, world_size)]
 
     def prepare_process(self) -> None:
         setup.use_fixed_kernels()
@@ -56,7 +61,12 @@ class InvariantPlan(ParallelPlan):
         config = self.config
         wrapping.apply_activation_checkpointing(model, spec, config)
         wrapping.apply_compile(model, spec, config)
-        # Parameters are replicated: nothing casts them, so bf16 compute is autocast around forward and loss.
+        if self.world.world_size > 1:
+            # FSDP2 gathers float32 parameters at every count, so that bf16 compute is the same autocast as on
+            # one process (where nothing is sharded) and gradients reach the exchange in float32.
+            spec.apply_fsdp(model, self.world.mesh, MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                         reduce_dtype=torch.float32))
+            self.exchanges = reduction.use_slot_order_exchange(model)
         self.compute_context = wrapping.autocast_context(config, self.world.device, sharded=False)
         return wrapping.compiled_loss(spec.loss_fn, model, config)
 
@@ -79,7 +89,11 @@ class InvariantPlan(ParallelPlan):
                          loss_fn: LossFn, step: int) -> torch.Tensor:
         assert self.layout is not None, "batch_sampler() places the micro-batches first"
         return invariant_step.forward_backward(model, params, lambda: to_device(next(batches), self.world.device),
-                                               loss_fn, self.config, self.layout, step, self.compute_context)
+                                               loss_fn, self.config, self.layout, step, self.compute_context,
+                                               self.exchanges)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        return reduction.clip_grads(params, max_norm, self.world.world_size)
 
     @property
     def carries_streams(self) -> bool:

@@ -1,47 +1,142 @@
-"""Sums in a canonical order: one balanced binary tree over the global micro-batch index.
+"""Sums with one order at every process count: the step's gradient, its loss and its gradient norm.
 
 Floating-point addition is commutative (``a + b`` and ``b + a`` are the same bits) but not associative, so a
-sum is reproducible only if its tree is. The tree over micro-batches ``[lo, hi)`` splits at
-``lo + (hi - lo) // 2``. With ``M`` micro-batches and a power-of-two process count ``W`` dividing ``M``,
-repeated halving of ``[0, M)`` yields exactly the ``W`` contiguous blocks of ``M / W`` micro-batches, one per
-rank, as subtrees. So: each rank sums its block with :func:`tree_sum`, then :func:`butterfly_sum` adds the
-blocks pairwise across ranks, level by level (ranks ``r`` and ``r ^ 1``, then ``r ^ 2``, ...). Each pairwise
-sum is a single commutative addition, so both partners hold the same bits, and the levels are the top of
-the same tree. 1, 2, 4, 8... processes compute the same tree, hence the same bits.
+sum is reproducible only if its order is. A step's ``M`` micro-batches are numbered by global slot, and rank
+``r`` of ``W`` processes runs slots ``r, r + W, r + 2W, ...`` (``step.Layout``): round ``i`` of the step runs
+slots ``iW .. iW + W - 1``, one on each rank. The step's gradient is the float32 sum ``g_0 + g_1 + ... +
+g_{M-1}`` taken strictly left to right (the first assigned, each next one added), then divided by ``M``.
 
-A plain all-reduce over more than 2 ranks (ring, tree or halving-doubling, chosen by the backend by message
-size) or a reduce-scatter does not fix the tree, and is not used here.
+* One process: autograd's accumulation into ``.grad`` is exactly that sum (the first backward assigns, each
+  next adds elementwise).
+* ``W`` processes: FSDP2 shards the parameters, and after each round's backward it would reduce-scatter the
+  ranks' gradients, adding them in an order the backend picks by size and count. :class:`SlotOrderExchange`
+  takes its place: an all-to-all hands each rank's slice of its gradient to the slice's owner *without adding*
+  (the bytes a ring reduce-scatter moves: ``(W - 1) / W`` of the gradient per rank per micro-batch), and the
+  owner adds the ``W`` slices into its accumulated shard in slot order. Elementwise, in the same order as one
+  process: the same bits, for any ``W`` that divides ``M``.
+
+The result is an ordinary float32 sum (the rounding of one process accumulating ``M`` micro-batches), not an
+exact one; what is invariant is the order. The gradient norm for clipping is summed in an order fixed by the
+parameters' shapes alone (:func:`grad_norm`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's interface
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rng.errors import ConfigError
 
 
-def tree_sum(lo: int, hi: int, leaf: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """The canonical-tree sum of ``leaf(j)`` for j in ``[lo, hi)``; leaves are produced in increasing j, and
-    at most ``log2(hi - lo) + 1`` partial sums are alive at once. The result may be a leaf's own tensor."""
-    if hi - lo == 1:
-        return leaf(lo)
-    mid = lo + (hi - lo) // 2
-    left = tree_sum(lo, mid, leaf)
-    return left.add_(tree_sum(mid, hi, leaf))
+class SlotOrderExchange(ReduceScatter):
+    """FSDP2's reduce-scatter of one sharded module, replaced: receive every rank's slice of this rank's shard
+    and add them in rank (= slot) order into the shard the step accumulates. FSDP2 then views that shard as the
+    parameters' ``.grad``; :func:`step.forward_backward` clears ``.grad`` between rounds so that FSDP2 assigns
+    the views again instead of adding them to themselves."""
+
+    def __init__(self) -> None:
+        self.shard: torch.Tensor | None = None  # the step's accumulated gradient shard of this module
+        self._first_round = True
+        self._input_next = True  # FSDP2 allocates the input of a reduction, then its output
+
+    def begin_step(self) -> None:
+        self._first_round = True
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        is_input, self._input_next = self._input_next, not self._input_next
+        if is_input:
+            return torch.empty(size, dtype=dtype, device=device)
+        if self.shard is None or self.shard.numel() != math.prod(size) or self.shard.dtype != dtype:
+            if not self._first_round:  # FSDP2 leaves out a parameter that got no gradient: the sum would break
+                raise ConfigError("parallelism.world_size_invariant needs a gradient for every trainable parameter "
+                                  "in every micro-batch; freeze (requires_grad=False) the parameters a forward "
+                                  "does not use")
+            self.shard = torch.empty(size, dtype=dtype, device=device)
+        return self.shard  # the output is the accumulator: the step's sum so far
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object = None, async_op: bool = False) -> None:
+        assert output_tensor is self.shard, "FSDP2 reduces into the buffer allocate() returned"
+        world = group.size()
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)  # chunk k: rank k's slice of this shard
+        pieces = received.view(world, -1)
+        start = 0
+        if self._first_round:
+            output_tensor.copy_(pieces[0])  # the first slot is assigned, as autograd assigns a first gradient
+            start, self._first_round = 1, False
+        for k in range(start, world):
+            output_tensor.add_(pieces[k])
+        return None
 
 
-def butterfly_sum(partial: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Add ``partial`` (this rank's block) across ``world`` ranks (a power of two) in the canonical tree, in
-    place; every rank returns the same bits. ``log2(world)`` point-to-point exchanges between ranks of the
-    default process group."""
-    received = torch.empty_like(partial) if world > 1 else partial
-    distance = 1
-    while distance < world:
-        partner = rank ^ distance
-        ops = [dist.P2POp(dist.isend, partial, partner), dist.P2POp(dist.irecv, received, partner)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        partial.add_(received)  # a + b == b + a bit for bit: the partner computes the same sum
-        distance *= 2
-    return partial
+def use_slot_order_exchange(model: nn.Module) -> list[SlotOrderExchange]:
+    """Give every FSDP2 module of ``model`` its exchange (no division: the step divides by ``M`` itself)."""
+    exchanges = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            exchange = SlotOrderExchange()
+            module.set_custom_reduce_scatter(exchange)
+            module.set_gradient_divide_factor(1.0)
+            exchanges.append(exchange)
+    return exchanges
+
+
+def _row_chunk(rows: int, world: int) -> int:
+    return -(-rows // world)  # FSDP2 shards dim 0 in chunks of ceil(rows / world), as torch.chunk does
+
+
+def _row_squares(grad: torch.Tensor) -> torch.Tensor:
+    """Per row (index along dim 0) the sum of squares in float64: each row lies whole on one rank, and its sum
+    is the same kernel on the same elements at every process count."""
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    rows = local.reshape(local.shape[0] if local.dim() else 1, -1)
+    return rows.double().square().sum(dim=1)
+
+
+def grad_norm(params: list[nn.Parameter], world: int) -> torch.Tensor:
+    """The 2-norm of all gradients, the same bits at every process count: per-row float64 sums of squares
+    (:func:`_row_squares`), gathered into one vector in parameter-and-row order (one all-gather of
+    ``sum(ceil(rows / W))`` numbers), summed by one kernel on that identical vector."""
+    grads = [p.grad for p in params if p.grad is not None]
+    parts = [_row_squares(g) for g in grads]
+    if world > 1:
+        rank = dist.get_rank()
+        padded = []
+        for grad, part in zip(grads, parts):
+            rows = grad.shape[0] if grad.dim() else 1
+            chunk = _row_chunk(rows, world)
+            assert part.numel() == max(0, min(chunk, rows - rank * chunk)), "FSDP2 shards rows as torch.chunk"
+            padded.append(torch.nn.functional.pad(part, (0, chunk - part.numel())))
+        local = torch.cat(padded)
+        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, local)
+        per_rank = gathered.view(world, -1)
+        parts, offset = [], 0
+        for grad in grads:
+            rows = grad.shape[0] if grad.dim() else 1
+            chunk = _row_chunk(rows, world)
+            parts.append(per_rank[:, offset : offset + chunk].reshape(-1)[:rows])
+            offset += chunk
+    return torch.cat(parts).sum().sqrt().float()
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, world: int) -> torch.Tensor:
+    """Scale the gradients to norm ``max_norm`` when above it (no clipping when ``max_norm <= 0``), as torch's
+    clip_grad_norm_ does, with :func:`grad_norm`; returns the norm before clipping (non-finite stays so)."""
+    norm = grad_norm(params, world)
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.mul_(scale.to(local.dtype))
+    return norm

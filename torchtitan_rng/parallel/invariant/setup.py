@@ -1,10 +1,9 @@
 """What world-size-invariant training requires of a run, and how it sets one up.
 
-Checked before training, each refusal one line: a power-of-two process count that divides the micro-batches
-per step (``training.global_batch_size / training.local_batch_size``), a dataset whose randomness comes from
-sample keys (form 1), and no sharding (parameters are replicated). Every process runs one intra-op thread
-and torch's deterministic kernels, whatever the process count: a multi-threaded CPU kernel may split a
-reduction by its thread count.
+Checked before training, each refusal one line: a process count that divides the micro-batches per step
+(``training.global_batch_size / training.local_batch_size``) and a dataset whose randomness comes from sample
+keys (form 1). Every process runs one intra-op thread and torch's deterministic kernels, whatever the process
+count: a multi-threaded CPU kernel may split a reduction by its thread count.
 """
 
 from __future__ import annotations
@@ -33,12 +32,11 @@ def check_batch_layout(config: JobConfig, world: int) -> int:
                           f"of training.local_batch_size = {training.local_batch_size} (the micro-batch); "
                           "choose a multiple")
     micro_batches = training.global_batch_size // training.local_batch_size
-    if world & (world - 1) or micro_batches % world:
-        raise ConfigError(f"{_FLAG} needs a power-of-two number of processes that divides the {micro_batches} "
-                          f"micro-batches per step (global / local batch size); got {world} processes")
-    if config.parallelism.data_parallel_shard_degree != -1:
-        raise ConfigError(f"{_FLAG} replicates the model instead of sharding it; leave "
-                          "parallelism.data_parallel_shard_degree at -1")
+    if micro_batches % world:
+        counts = ", ".join(str(n) for n in range(1, micro_batches + 1) if micro_batches % n == 0)
+        raise ConfigError(f"{_FLAG} needs a number of processes that divides the {micro_batches} micro-batches "
+                          f"per step (global / local batch size); got {world} processes: use {counts}, or "
+                          "change training.global_batch_size")
     if config.data.streaming:
         raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
                           "index; drop --data.streaming")

@@ -1,28 +1,31 @@
 """One optimizer step's forward and backward in world-size-invariant training.
 
-Each micro-batch runs with the global streams seeded for its global slot, its gradients (and its loss, as
-one more element) flattened into one buffer; the buffers are summed in the canonical tree
-(``reduction.py``) and divided by the number of micro-batches, the same operations at every process count.
-Every rank ends with identical full gradients and the same loss, bit for bit.
+Each micro-batch runs with the global streams seeded for its global slot; its gradients are summed in slot
+order (``reduction.py``: autograd's accumulation on one process, :class:`~.reduction.SlotOrderExchange` on
+several) and divided by the number of micro-batches; the losses are gathered and summed in slot order. The
+same operations at every process count: every rank ends with the same gradient bits (its shard of them when
+sharded) and the same loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan_rng.config import JobConfig
-from torchtitan_rng.parallel.invariant.reduction import butterfly_sum, tree_sum
+from torchtitan_rng.parallel.invariant.reduction import SlotOrderExchange
 from torchtitan_rng.rng import seed_micro_batch_streams
 from torchtitan_rng.train_spec import Batch
 
 
 @dataclass(frozen=True)
 class Layout:
-    """``micro_batches`` per step over all ranks; this rank runs the contiguous block starting at ``first_slot``."""
+    """``micro_batches`` per step over all ranks; this rank runs slots ``rank, rank + world, ...``: round ``i``
+    of a step runs slots ``i * world .. i * world + world - 1``, one per rank."""
 
     micro_batches: int
     rank: int
@@ -34,43 +37,44 @@ class Layout:
 
     @property
     def first_slot(self) -> int:
-        return self.rank * self.per_rank
+        return self.rank
+
+    def slot(self, round_: int) -> int:
+        return round_ * self.world + self.rank
 
 
-def _flatten(params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's gradients and loss in one float32 buffer (a parameter without gradient: zeros)."""
-    parts = [p.grad.reshape(-1).float() if p.grad is not None else p.new_zeros(p.numel(), dtype=torch.float32)
-             for p in params]
-    return torch.cat([*parts, loss.detach().float().reshape(1)])
-
-
-def _unflatten_into_grads(params: list[nn.Parameter], total: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        p.grad = total[offset : offset + p.numel()].view_as(p).to(p.dtype)
-        offset += p.numel()
+def _losses_in_slot_order(losses: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """All ranks' micro-batch losses, indexed by global slot."""
+    if layout.world == 1:
+        return losses
+    gathered = torch.empty(layout.world * losses.numel(), dtype=losses.dtype, device=losses.device)
+    dist.all_gather_into_tensor(gathered, losses)
+    return gathered.view(layout.world, layout.per_rank).t().reshape(-1)  # [rank, round] -> slot order
 
 
 def forward_backward(model: nn.Module, params: list[nn.Parameter], next_batch: Callable[[], Batch],
                      loss_fn: Callable[[nn.Module, Batch, JobConfig], torch.Tensor], config: JobConfig,
-                     layout: Layout, step: int,
-                     compute_context: Callable[[], ContextManager]) -> torch.Tensor:
-    """Run this rank's micro-batches of ``step``, leave the mean gradient over all ``layout.micro_batches``
-    in ``p.grad`` of every parameter and return the mean loss (identical on every rank). ``compute_context``:
-    entered around each micro-batch's forward and loss (the trainer's autocast, or a null context)."""
-
-    def micro_batch(slot: int) -> torch.Tensor:
+                     layout: Layout, step: int, compute_context: Callable[[], ContextManager],
+                     exchanges: Sequence[SlotOrderExchange]) -> torch.Tensor:
+    """Run this rank's micro-batches of ``step``, leave the mean gradient over all ``layout.micro_batches`` in
+    ``p.grad`` (this rank's shard when sharded) and return the mean loss (identical on every rank).
+    ``compute_context``: entered around each micro-batch's forward and loss (autocast, or a null context);
+    ``exchanges``: the sharded modules' reductions (none on one process)."""
+    for exchange in exchanges:
+        exchange.begin_step()
+    losses = []
+    for round_ in range(layout.per_rank):
         batch = next_batch()
-        for p in params:
-            p.grad = None
-        seed_micro_batch_streams(config.debug.seed, step, slot)
+        seed_micro_batch_streams(config.debug.seed, step, layout.slot(round_))
         with compute_context():
             loss = loss_fn(model, batch, config)
         loss.backward()
-        return _flatten(params, loss)
-
-    total = tree_sum(layout.first_slot, layout.first_slot + layout.per_rank, micro_batch)
-    total = butterfly_sum(total, layout.rank, layout.world)
-    total.div_(layout.micro_batches)
-    _unflatten_into_grads(params, total[:-1])
-    return total[-1].clone()
+        losses.append(loss.detach().float())
+        if exchanges and round_ < layout.per_rank - 1:
+            for p in params:  # the gradients are views of the exchanges' shards: FSDP2 must assign, not add
+                p.grad = None
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(layout.micro_batches)
+    return _losses_in_slot_order(torch.stack(losses), layout).sum() / layout.micro_batches
