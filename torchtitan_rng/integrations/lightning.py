@@ -9,22 +9,30 @@ loader whose length it knows), and ``ExactResumeCallback()`` joins the Trainer's
   every rank;
 * on resume each rank gets its own back; Lightning loads it into the loader before the epoch's iterator
   is created, and the streams go back right before the first batch is fetched;
-* SIGTERM / SIGUSR1 set a flag; after the next optimizer step all ranks agree (one all-reduce), save a
-  checkpoint at that step and stop (Lightning alone stops without saving).
+* validation during training runs under preserved streams: a run that validates at a step and one that
+  resumes from that step's checkpoint (and does not validate again) continue from the same streams;
+* for the duration of ``fit()`` the callback owns SIGTERM and SIGUSR1 (Lightning's own SIGTERM handler,
+  which stops at the end of the batch without saving and broadcasts from inside the handler, is set
+  aside): a signal sets a flag; after the next optimizer step all ranks agree (one all-reduce), save
+  ``preempted-step=N.ckpt`` at that step and stop. The handlers found before ``fit()`` are back after it.
 """
 
 from __future__ import annotations
 
+import signal
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as L
+import torch
 import torch.distributed as dist
 
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
 from torchtitan_rng.launch import preemption
+from torchtitan_rng.rng import capture_global_rng, restore_global_rng
 
 check_tested_version("lightning")
 
@@ -38,18 +46,108 @@ def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 class ExactResumeCallback(L.Callback):
-    """Per-rank loader state and streams in every checkpoint, and a save at the agreed step on a signal.
+    """Per-rank loader state and streams in every checkpoint, validation that moves no training stream,
+    and a save at the agreed step on a signal.
 
     Args:
         dirpath: where the signal-triggered checkpoint goes (``preempted-step=N.ckpt``); default
             ``<default_root_dir>/checkpoints``. Resume with ``trainer.fit(..., ckpt_path=that file)``.
+
+    After ``fit()``, ``preempted_checkpoint`` is the path of that checkpoint when a signal stopped the run
+    (``None`` otherwise): a script can tell a preempted ``fit()`` from a finished one.
     """
 
     def __init__(self, dirpath: str | Path | None = None) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.preempted_checkpoint: Path | None = None
         self._loaders: list[EpochLoader] = []
         self._vote: StopVote | None = None
-        preemption.install()
+        self._signals: ExitStack | None = None
+        self._unheeded: preemption.Scope | None = None
+        self._streams_before_validation: dict[str, Any] | None = None
+
+    # -- start and end of training -------------------------------------------------------------------
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._own_signals(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._loaders = _epoch_loaders(trainer)  # kept for teardown, when Lightning has let go of them
+        if len(self._loaders) != 1 or len(trainer.fit_loop._combined_loader.flattened) != 1:
+            raise ValueError("ExactResumeCallback needs train_dataloader() to return one "
+                             "torchtitan_rng.integrations.lightning.exact_resume_loader(dataset, batch_size=..., "
+                             "seed=...): a plain DataLoader has no position or streams to resume from")
+        self._own_signals(trainer)
+        self.preempted_checkpoint = None
+        self._vote = StopVote()  # every rank starts training here, with its process group up
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        if not getattr(val_loop.run, "_preserves_streams", False):
+            val_loop.run = self._preserving_streams(val_loop.run, self._loaders[0].device)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The vote cast at the last step (every rank has one in flight): a signal during it is saved here.
+        if self._vote is not None and self._vote.close():
+            self._save_preempted(trainer)
+        self._vote = None
+        self._release_signals()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._vote = None  # another rank may never cast the vote in flight: not waited for
+        self._release_signals(failed=True)
+        self._loaders += _epoch_loaders(trainer)
+        self.teardown(trainer, pl_module, "fit")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # The loader's workers ignore the checkpoint signals, so exit-time termination cannot end them.
+        for loader in self._loaders:
+            loader.close()
+        self._loaders = []
+        # Now that Lightning has put back the handlers found before fit(): a signal training did not act on
+        # goes to them (by default it ends the process; never a normal-looking end without the checkpoint).
+        unheeded, self._unheeded = self._unheeded, None
+        if unheeded is not None:
+            unheeded.redeliver()
+
+    def _own_signals(self, trainer: L.Trainer) -> None:
+        """Take SIGTERM/SIGUSR1 from Lightning's handler (installed at ``fit()`` start, after the checkpoint is
+        restored) until the end of training; the one found before ``fit()`` comes back then."""
+        if self._signals is not None:
+            return
+        self._signals = ExitStack()
+        # Not redelivered at the end of training: Lightning's handler (back then) broadcasts from inside itself.
+        self._unheeded = self._signals.enter_context(preemption.handling(redeliver=False))
+        if trainer._signal_connector.received_sigterm:  # Lightning's handler had one: ours from now on
+            trainer._signal_connector.received_sigterm = False
+            signal.raise_signal(signal.SIGTERM)
+
+    def _release_signals(self, *, failed: bool = False) -> None:
+        stack, self._signals = self._signals, None
+        if stack is None:
+            return
+        if failed:  # an error ends fit(): it is what the process reports, not a pending signal
+            preemption.acknowledge()
+        stack.close()
+        if failed:
+            self._unheeded = None
+
+    # -- validation ------------------------------------------------------------------------------------
+
+    def _preserving_streams(self, run: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+        """``run`` (the validation loop inside fit) with every global stream as it was before it: a checkpoint
+        saved before or during it holds the streams of the step boundary."""
+
+        def preserving() -> Any:
+            self._streams_before_validation = streams = capture_global_rng(device)
+            try:
+                return run()
+            finally:
+                restore_global_rng(streams, device)
+                self._streams_before_validation = None
+
+        preserving._preserves_streams = True  # type: ignore[attr-defined]
+        return preserving
+
+    # -- checkpoints -----------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
@@ -57,6 +155,8 @@ class ExactResumeCallback(L.Callback):
         if not mine:
             raise ValueError("ExactResumeCallback needs train_dataloader() to return "
                              "torchtitan_rng.integrations.lightning.exact_resume_loader(...)")
+        if self._streams_before_validation is not None:  # saved inside validation: the boundary's streams
+            mine = [{**state, "rng": self._streams_before_validation} for state in mine]
         _, world = rank_and_world_size()
         by_rank: list[Any] = [mine]
         if world > 1:  # a collective: Lightning builds the checkpoint on every rank, rank 0 writes it
@@ -77,35 +177,25 @@ class ExactResumeCallback(L.Callback):
         # Lightning loads this list into the train loader before creating its iterator: give it this rank's.
         _fit_loop_state(checkpoint)["combined_loader"] = by_rank[rank]
 
+    # -- the stop on a signal ----------------------------------------------------------------------------
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        signalled = preemption.received() is not None or trainer.received_sigterm
         # At optimizer steps only, the same ones on every rank; the vote is read one step later, never waited for.
-        if trainer.fit_loop._should_accumulate() or self._vote is None or not self._vote.poll(signalled):
+        if trainer.fit_loop._should_accumulate() or self._vote is None:
             return
+        if self._vote.poll(preemption.received() is not None):
+            self._vote.close()  # the vote cast with it: the same signal, already acted on
+            self._vote = None
+            self._save_preempted(trainer)
+            trainer.should_stop = True
+
+    def _save_preempted(self, trainer: L.Trainer) -> None:
         folder = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
-        trainer.save_checkpoint(folder / f"preempted-step={trainer.global_step}.ckpt")
-        trainer.should_stop = True
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._loaders = _epoch_loaders(trainer)  # kept for teardown, when Lightning has let go of them
-        self._vote = StopVote()  # every rank starts training here, with its process group up
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._vote is not None:
-            self._vote.close()  # every rank has one vote in flight
-        self._vote = None
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._vote = None  # another rank may never cast the vote in flight: not waited for
-        self._loaders += _epoch_loaders(trainer)
-        self.teardown(trainer, pl_module, "fit")
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # The loader's workers ignore the checkpoint signals, so exit-time termination cannot end them.
-        for loader in self._loaders:
-            loader.close()
-        self._loaders = []
+        path = folder / f"preempted-step={trainer.global_step}.ckpt"
+        trainer.save_checkpoint(path)  # a collective: every rank is here at the same step
+        self.preempted_checkpoint = path
+        preemption.acknowledge()
 
 
 def _epoch_loaders(trainer: L.Trainer) -> list[EpochLoader]:
