@@ -122,7 +122,8 @@ class ExactResumeTrainer(transformers.Trainer):
         self.on_num_workers_change = on_num_workers_change
         self._take_sigterm_from_jit_checkpoint()
         self._exact = _ExactResumeCallback()
-        self.add_callback(self._exact)
+        # First: every other callback (and the log) sees the epoch it corrects at each step's end.
+        self.callback_handler.callbacks.insert(0, self._exact)
         self._exact_loader: EpochLoader | None = None
 
     def _take_sigterm_from_jit_checkpoint(self) -> None:
