@@ -109,9 +109,9 @@ def _same_checkpoint(path: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every run of this file, side by side in two waves: (1) the uninterrupted run saving every step, the
-    four signalled runs, two fit()s in one process, the callback with a plain loader, and the control's
+    three signalled runs, two fit()s in one process, a refused loader, and the control's
     reference; (2) the resumes."""
-    names = ("A", "launcher", "ranks", "rank0", "twice", "twice2", "plain", "nofork", "nofork_b",
+    names = ("A", "launcher", "ranks", "rank0", "twice", "twice2", "refused", "nofork", "nofork_b",
              "A_resumed", "launcher_resumed")
     d = {name: tmp_path_factory.mktemp(name) for name in names}
     started = time.monotonic()
@@ -120,12 +120,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         lambda: _signalled(d["launcher"], "launcher", "--pause-at", "2", "--pause-ranks", "0", "1"),
         # Every rank, after the first micro-batch of step 3.
         lambda: _signalled(d["ranks"], "ranks", "--pause-at", "2", "--pause-micro", "--pause-ranks", "0", "1"),
-        lambda: _signalled(d["rank0"], "rank0", "--pause-at", "2", "--pause-ranks", "0", "--user-stop", "3"),
+        # Rank 0 alone, with a user's stop callback and a plain DataLoader that the callback makes exact.
+        lambda: _signalled(d["rank0"], "rank0", "--pause-at", "2", "--pause-ranks", "0", "--user-stop", "3",
+                           "--loader", "plain"),
         # One process: a fit() stopped by its own SIGTERM (mid-accumulation: after the first micro-batch of step
         # 3), a second fit(), then a SIGTERM outside training.
         lambda: _run(d["twice"], *COMMON, "--signal-self-at", "2", "--again", str(d["twice2"]), "--sigterm-after",
                      nproc=1),
-        lambda: _run(d["plain"], *COMMON, "--plain-loader", nproc=1),
+        lambda: _run(d["refused"], *COMMON, "--loader", "custom-sampler", nproc=1),
         # The control: validation without preserved streams, one process, saved at validation step 3.
         lambda: _ok(_run(d["nofork"], *COMMON, "--save-every", "3", "--no-val-fork", nproc=1)),
     )
@@ -142,7 +144,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          str(d["nofork"] / "ckpt" / "step=3.ckpt"), nproc=1)),
     )
     print(f"\nlightning stop runs: {time.monotonic() - started:.1f} s wall")
-    return {"dirs": d, "procs": dict(zip(("A", "launcher", "ranks", "rank0", "twice", "plain", "nofork"),
+    return {"dirs": d, "procs": dict(zip(("A", "launcher", "ranks", "rank0", "twice", "refused", "nofork"),
                                            wave1))}
 
 
@@ -174,7 +176,8 @@ def test_sigterm_to_the_launcher_saves_at_one_step_and_resumes_bitwise(runs: dic
 @pytest.mark.parametrize("case, step", [("ranks", 4), ("rank0", 3)])
 def test_sigterm_to_ranks_saves_the_uninterrupted_runs_state(runs: dict[str, Any], case: str, step: int) -> None:
     # Every rank after the first micro-batch of step 3 (the vote cast at step 3's end is read at step 4's), or
-    # rank 0 alone after step 2: the ranks exit 0 after saving, and the checkpoint is the uninterrupted run's.
+    # rank 0 alone after step 2 (its train_dataloader() a plain DataLoader): the ranks exit 0 after saving, and
+    # the checkpoint is the uninterrupted run's.
     d, proc = runs["dirs"], runs["procs"][case]
     assert proc.returncode == 0, proc.stderr[-4000:]
     _same_checkpoint(d[case] / "ckpt" / f"preempted-step={step}.ckpt", d["A"] / "ckpt" / f"step={step}.ckpt")
@@ -200,8 +203,9 @@ def test_signal_handling_lasts_only_as_long_as_fit(runs: dict[str, Any]) -> None
     assert len(first) == 3 and len(second) == STEPS and second[:3] == first
 
 
-def test_the_callback_with_a_plain_loader_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
-    d, proc = runs["dirs"], runs["procs"]["plain"]
+def test_a_loader_the_callback_cannot_make_exact_is_refused_before_the_first_step(runs: dict[str, Any]) -> None:
+    # (A plain DataLoader with shuffle=True is made exact: the rank-0 case above trains from one.)
+    d, proc = runs["dirs"], runs["procs"]["refused"]
     assert proc.returncode != 0
-    assert "ExactResumeCallback needs train_dataloader() to return one" in proc.stderr
-    assert not (d["plain"] / "losses_rank0.txt").exists()
+    assert "ExactResumeCallback trains from a DataLoader over a map-style dataset" in proc.stderr
+    assert not (d["refused"] / "losses_rank0.txt").exists()

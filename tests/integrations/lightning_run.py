@@ -13,16 +13,16 @@ from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SubsetRandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import NoisyDataset, TinyNet, record_step  # noqa: E402
 
 
 class LitNet(L.LightningModule):
-    def __init__(self, plain_loader: bool, workers: int) -> None:
+    def __init__(self, loader: str, workers: int) -> None:
         super().__init__()
-        self.net, self.plain_loader, self.workers = TinyNet(), plain_loader, workers
+        self.net, self.loader, self.workers = TinyNet(), loader, workers
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.net.loss(batch["x"], batch["labels"])
@@ -35,8 +35,13 @@ class LitNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self) -> object:
-        if self.plain_loader:
+        if self.loader == "stock":
             return DataLoader(NoisyDataset(24), batch_size=2, shuffle=True, num_workers=self.workers)
+        if self.loader == "plain":  # the callback makes it an exact loader, seeded from its generator's seed
+            return DataLoader(NoisyDataset(24), batch_size=2, shuffle=True, num_workers=self.workers,
+                              generator=torch.Generator().manual_seed(0))
+        if self.loader == "custom-sampler":  # an order the callback cannot carry over: refused
+            return DataLoader(NoisyDataset(24), batch_size=2, sampler=SubsetRandomSampler(range(24)))
         from torchtitan_rng.integrations.lightning import exact_resume_loader
 
         return exact_resume_loader(NoisyDataset(24), batch_size=2, seed=0, num_workers=self.workers)
@@ -49,14 +54,16 @@ class Record(L.Callback):
     """The losses of each optimizer step; at --pause-at (and --pause-micro: one micro-batch later) the ranks of
     --pause-ranks write their pid to OUT/paused_rank{r} and wait for the test's signal."""
 
-    def __init__(self, out: Path, pause_at: int, pause_micro: bool, pause_ranks: set[int], signal_self_at: int) -> None:
-        self.out, self.pause_at, self.pause_micro, self.pause_ranks = out, pause_at, pause_micro, pause_ranks
-        self.signal_self_at = signal_self_at
+    def __init__(self, out: Path, opts: argparse.Namespace) -> None:
+        self.out, self.pause_at, self.pause_micro = out, opts.pause_at, opts.pause_micro
+        self.pause_ranks, self.signal_self_at, self.usr1_at = set(opts.pause_ranks), opts.signal_self_at, opts.signal_at
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         accumulating = trainer.fit_loop._should_accumulate()
         if not accumulating:
             record_step(self.out, trainer.global_rank, trainer.global_step, pl_module.net)
+            if trainer.global_step == self.usr1_at and trainer.global_rank == 0:
+                os.kill(os.getpid(), signal.SIGUSR1)  # a preemption notice to rank 0 (SLURM's --signal=USR1@90)
         elif trainer.global_step == self.signal_self_at:  # a signal in the middle of an accumulation window
             os.kill(os.getpid(), signal.SIGTERM)
         if (trainer.global_step == self.pause_at and accumulating == self.pause_micro
@@ -82,8 +89,7 @@ class UserStop(L.Callback):
 
 def fit(opts: argparse.Namespace, out: Path, resume: Path | None) -> None:
     L.seed_everything(0, verbose=False)
-    callbacks: list[L.Callback] = [
-        Record(out, opts.pause_at, opts.pause_micro, set(opts.pause_ranks), opts.signal_self_at)]
+    callbacks: list[L.Callback] = [Record(out, opts)]
     if opts.user_stop:
         callbacks.append(UserStop(out, opts.user_stop))
     if opts.save_every:
@@ -105,14 +111,15 @@ def fit(opts: argparse.Namespace, out: Path, resume: Path | None) -> None:
                         enable_model_summary=False, enable_checkpointing=bool(opts.save_every),
                         accumulate_grad_batches=opts.ga, default_root_dir=str(out),
                         **(validation if opts.val_every else {"limit_val_batches": 0}))
-    trainer.fit(LitNet(opts.stock or opts.plain_loader, opts.workers), ckpt_path=resume)
+    trainer.fit(LitNet("stock" if opts.stock else opts.loader, opts.workers), ckpt_path=resume)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stock", action="store_true")
-    parser.add_argument("--plain-loader", action="store_true", help="the callback with a plain DataLoader")
+    parser.add_argument("--loader", choices=("exact", "plain", "custom-sampler"), default="exact",
+                        help="what train_dataloader() returns beside the callback")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--ga", type=int, default=1)
     parser.add_argument("--max-steps", type=int, required=True)
@@ -122,7 +129,8 @@ def main() -> None:
     parser.add_argument("--pause-at", type=int, default=-1)
     parser.add_argument("--pause-micro", action="store_true")
     parser.add_argument("--pause-ranks", type=int, nargs="*", default=[0])
-    parser.add_argument("--signal-self-at", type=int, default=-1)
+    parser.add_argument("--signal-at", type=int, default=-1, help="SIGUSR1 to rank 0 at the end of this step")
+    parser.add_argument("--signal-self-at", type=int, default=-1, help="SIGTERM to itself mid-accumulation")
     parser.add_argument("--no-val-fork", action="store_true")
     parser.add_argument("--resume", type=Path)
     parser.add_argument("--again", type=Path, help="then a second fit() in this process, into this folder")
@@ -131,7 +139,7 @@ def main() -> None:
 
     fit(opts, opts.out, opts.resume)
     if opts.again:
-        opts.pause_at = opts.signal_self_at = -1
+        opts.pause_at = opts.signal_self_at = opts.signal_at = -1
         fit(opts, opts.again, None)
     if opts.sigterm_after:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,8 +1,10 @@
 """Exact resume for PyTorch Lightning (extra ``lightning``: lightning 2.6, ``import lightning.pytorch as L``).
 
-Two changes to a user's script: ``train_dataloader()`` returns :func:`exact_resume_loader` (a loader with
-a saved position, its own generator and checkpointed worker streams; Lightning reads no batch ahead of a
-loader whose length it knows), and ``ExactResumeCallback()`` joins the Trainer's callbacks:
+One change to a user's script: ``ExactResumeCallback()`` joins the Trainer's callbacks. It trains from an
+:func:`exact_resume_loader` (a loader with a saved position, its own generator and checkpointed worker
+streams; Lightning reads no batch ahead of a loader whose length it knows): the one ``train_dataloader()``
+returns, or one made from the plain ``DataLoader`` it returns (same dataset, batch size, workers,
+collate_fn, shuffle or not). Then:
 
 * at every checkpoint each rank's loader state (position and that rank's global streams at the step
   boundary) is gathered into the file rank 0 writes; Lightning alone would save rank 0's and load it on
@@ -27,6 +29,7 @@ from typing import Any, Callable
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
@@ -52,13 +55,17 @@ class ExactResumeCallback(L.Callback):
     Args:
         dirpath: where the signal-triggered checkpoint goes (``preempted-step=N.ckpt``); default
             ``<default_root_dir>/checkpoints``. Resume with ``trainer.fit(..., ckpt_path=that file)``.
+        seed: the seed of the epoch permutations when ``train_dataloader()`` returns a plain ``DataLoader``;
+            default: that loader's ``generator`` seed, else torch's (``L.seed_everything``), which every rank
+            must share.
 
     After ``fit()``, ``preempted_checkpoint`` is the path of that checkpoint when a signal stopped the run
     (``None`` otherwise): a script can tell a preempted ``fit()`` from a finished one.
     """
 
-    def __init__(self, dirpath: str | Path | None = None) -> None:
+    def __init__(self, dirpath: str | Path | None = None, seed: int | None = None) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.seed = seed
         self.preempted_checkpoint: Path | None = None
         self._loaders: list[EpochLoader] = []
         self._vote: StopVote | None = None
@@ -68,15 +75,26 @@ class ExactResumeCallback(L.Callback):
 
     # -- start and end of training -------------------------------------------------------------------
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before fit() asks for its train loader: a plain DataLoader becomes an exact one.
+        source = trainer.fit_loop._data_source
+        if stage != "fit" or getattr(source.dataloader, "_makes_exact_loader", False):
+            return
+        request = source.dataloader
+
+        def exact_loader() -> Any:
+            return _as_exact_loader(request(), self.seed)
+
+        exact_loader._makes_exact_loader = True  # type: ignore[attr-defined]
+        source.dataloader = exact_loader
+
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._own_signals(trainer)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._loaders = _epoch_loaders(trainer)  # kept for teardown, when Lightning has let go of them
         if len(self._loaders) != 1 or len(trainer.fit_loop._combined_loader.flattened) != 1:
-            raise ValueError("ExactResumeCallback needs train_dataloader() to return one "
-                             "torchtitan_rng.integrations.lightning.exact_resume_loader(dataset, batch_size=..., "
-                             "seed=...): a plain DataLoader has no position or streams to resume from")
+            raise ValueError("ExactResumeCallback needs one train loader: train_dataloader() returned several")
         self._own_signals(trainer)
         self.preempted_checkpoint = None
         self._vote = StopVote()  # every rank starts training here, with its process group up
@@ -196,6 +214,32 @@ class ExactResumeCallback(L.Callback):
         trainer.save_checkpoint(path)  # a collective: every rank is here at the same step
         self.preempted_checkpoint = path
         preemption.acknowledge()
+
+
+def _as_exact_loader(loader: Any, seed: int | None) -> Any:
+    """``loader`` as an :class:`EpochLoader`: itself, or one made from a plain ``DataLoader`` over a map-style
+    dataset with the stock samplers (a custom sampler's order cannot be carried over exactly)."""
+    if isinstance(loader, EpochLoader):
+        return loader
+    if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
+            or type(loader.sampler) not in (RandomSampler, SequentialSampler)
+            or type(loader.batch_sampler) is not BatchSampler):
+        raise ValueError("ExactResumeCallback trains from a DataLoader over a map-style dataset with shuffle=True or "
+                         "False and no sampler of its own; return torchtitan_rng.integrations.lightning."
+                         "exact_resume_loader(dataset, batch_size=..., seed=...) from train_dataloader() instead")
+    if seed is None:
+        seed = loader.generator.initial_seed() if loader.generator is not None else torch.initial_seed()
+        _, world = rank_and_world_size()
+        seeds: list[Any] = [seed] * world
+        if world > 1:
+            dist.all_gather_object(seeds, seed)
+        if len(set(seeds)) > 1:
+            raise ValueError(f"the ranks' seeds differ ({seeds}): call L.seed_everything(seed) before fit(), or pass "
+                             "ExactResumeCallback(seed=...), so that every rank shares the epoch permutations")
+    return exact_resume_loader(loader.dataset, batch_size=loader.batch_size, seed=seed,  # type: ignore[arg-type]
+                               num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                               shuffle=isinstance(loader.sampler, RandomSampler),
+                               prefetch_factor=loader.prefetch_factor or 2)
 
 
 def _epoch_loaders(trainer: L.Trainer) -> list[EpochLoader]:
