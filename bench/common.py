@@ -20,14 +20,10 @@ import torch
 
 from torchtitan_rng import device as device_lib
 from torchtitan_rng.checkpoint import layout
-from torchtitan_rng.checkpoint.states import checkpoint_parts
+from torchtitan_rng.build import build_components
 from torchtitan_rng.config import JobConfig, parse_args
-from torchtitan_rng.data.dataloader import ResumableDataLoader
-from torchtitan_rng.lr_scheduler import build_lr_scheduler
-from torchtitan_rng.optimizer import build_optimizer
-from torchtitan_rng.rng import seed_model_init, seed_training_streams
-from torchtitan_rng.train_spec import get_train_spec
-from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.distributed import World
+from torchtitan_rng.rng import seed_training_streams
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
@@ -116,33 +112,19 @@ class RunParts:
         return {name: self.parts[name] for name in (layout.MODEL, layout.OPTIMIZER)}
 
 
-def build_run(config: JobConfig, *, rank: int = 0, world_size: int = 1, mesh: Any = None,
-              steps: int = 1) -> RunParts:
-    spec = get_train_spec(config)
-    device = device_lib.device_for_rank(rank)
-    seed_model_init(config.debug.seed)
-    model = spec.build_model(config).to(device)
-    if mesh is not None:
-        spec.apply_fsdp(model, mesh)
-    # Over the trainable parameters, as the trainer builds it (Flux's frozen encoders have no optimizer state).
-    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config)
-    lr_scheduler = build_lr_scheduler(optimizer, config)
-    dataloader = ResumableDataLoader(spec.build_dataset(config), batch_size=config.training.local_batch_size,
-                                     dp_rank=rank, dp_world=world_size, seed=config.debug.seed,
-                                     num_workers=config.data.num_workers)
-    seed_training_streams(config.debug.seed, rank)
-    batches = iter(dataloader)
-    for _ in range(steps):
-        batch = {key: value.to(device) for key, value in next(batches).items()}
-        optimizer.zero_grad(set_to_none=True)
-        spec.loss_fn(model, batch, config).backward()
-        optimizer.step()
-        lr_scheduler.step()
-    train_state = TrainState(device, rank, world_size)
-    train_state.step = steps
-    parts = checkpoint_parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader,
-                             train_state=train_state)
-    return RunParts(config, model, optimizer, parts)
+def build_run(config: JobConfig, *, steps: int = 1) -> RunParts:
+    """One process's run, built as the trainer builds it, after ``steps`` real training steps."""
+    world = World(rank=0, world_size=1, local_rank=0, device=device_lib.device_for_rank(0))
+    run = build_components(config, world)
+    seed_training_streams(config.debug.seed, world.rank)
+    batches = iter(run.dataloader)
+    for step in range(1, steps + 1):
+        run.optimizer.zero_grad(set_to_none=True)
+        run.plan.forward_backward(run.model, run.params, batches, run.loss_fn, step)
+        run.optimizer.step()
+        run.lr_scheduler.step()
+    run.train_state.step = steps
+    return RunParts(config, run.model, run.optimizer, run.checkpoint_parts())
 
 
 def folder_bytes(path: Path) -> int:

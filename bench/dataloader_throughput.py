@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from bench.common import config_for, median, parser, spread, table
 from torchtitan_rng.config import snapshot_every_n_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader
-from torchtitan_rng.train_spec import get_train_spec
+from torchtitan_rng.models import get_train_spec
 
 from torchtitan_rng.data.worker_rng import with_worker_rng
 

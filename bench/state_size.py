@@ -21,7 +21,7 @@ from torchtitan_rng import device as device_lib
 from torchtitan_rng.config import parse_args
 from torchtitan_rng.data.dataloader import ResumableDataLoader
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
-from torchtitan_rng.train_spec import get_train_spec
+from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.checkpoint.train_state import TrainState
 
 DP_WORLD = 2

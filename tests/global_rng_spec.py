@@ -16,7 +16,8 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.models.llama.spec import build_text_dataset
-from torchtitan_rng.train_spec import get_train_spec, register_train_spec
+from torchtitan_rng.models import get_train_spec
+from torchtitan_rng.train_spec import register_train_spec
 
 
 class GlobalMaskDataset(Dataset):

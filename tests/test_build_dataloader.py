@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import torchtitan_rng
-from torchtitan_rng.launch import preemption
+from torchtitan_rng import signals
 
 
 class KeyEcho(torchtitan_rng.SampleRandomDataset):
@@ -85,11 +85,11 @@ def test_collate_fn_shapes_the_batches_and_the_position_resumes() -> None:
 @pytest.fixture
 def rank_handles_sigusr2() -> Iterator[None]:
     """This process handles SIGUSR2 as a rank that checkpoints on it does (workers fork with the handler)."""
-    preemption.install(["SIGUSR2"])
+    signals.install(["SIGUSR2"])
     try:
         yield
     finally:
-        preemption.install([])
+        signals.install([])
 
 
 def test_user_worker_init_fn_runs_after_ours(rank_handles_sigusr2: None) -> None:

@@ -63,7 +63,7 @@ def args(**kw):
 for kw, extra in (({'train_sampling_strategy': 'group_by_length'}, {}), ({}, {'on_stock_checkpoint': 'maybe'})):
     try:
         ExactResumeTrainer(model=HFNet(), args=args(**kw), train_dataset=NoisyDataset(8), **extra)
-    except ValueError as err:
+    except ValueError as err:  # ConfigError is one
         print('REFUSED', err)
 """
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.layout import CheckpointError
@@ -32,7 +33,7 @@ class _Samples:
 
 
 def _record(*overrides: str) -> dict:
-    return run_record.build_record(parse_args(["--job.config_file", CONFIG, *overrides]), _Samples())
+    return resume.build_record(parse_args(["--job.config_file", CONFIG, *overrides]), _Samples())
 
 
 def _check(saved: dict, current: dict, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -113,6 +114,15 @@ def test_checkpoint_without_record_warns() -> None:
     assert len(warnings) == 1 and "holds no run.json (saved by an older version)" in warnings[0]
 
 
+def test_other_versions_are_named_not_refused() -> None:
+    current = _record()
+    assert _check(current, current) == []
+    saved = {**current, "versions": {**current["versions"], "python": "3.9.0", "torch": "2.11.0"}}
+    warnings = _check(saved, current)
+    assert len(warnings) == 1 and warnings[0].startswith("note: checkpoint ckpt/step-10 was saved by ")
+    assert "torch 2.11.0 (this is " in warnings[0] and "python 3.9.0 (this is " in warnings[0]
+
+
 def test_allow_config_change_names_config_keys() -> None:
     with pytest.raises(ConfigError, match="checkpoint.allow_config_change has 'optimiser.lr', which is not a config key"):
         parse_args(["--checkpoint.allow_config_change", "optimizer.lr,optimiser.lr"])
@@ -160,7 +170,7 @@ def test_a_flipped_bit_is_refused_naming_the_file(checkpoint: Path, name: str) -
     with pytest.raises(CheckpointError) as refused:
         verify_integrity(checkpoint)
     assert str(refused.value) == (f"checkpoint {checkpoint} is damaged: {name} does not match the checksum written "
-                                  "at save (its content changed); pick another with --checkpoint.load_step (or move "
+                                  "at save (its content changed); pick another with load_step= (or move "
                                   "it away)")
 
 

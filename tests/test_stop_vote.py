@@ -18,7 +18,7 @@ POLLS = 6
 def _vote(rank: int, folder: Path, signalled_rank: int, signal_at: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=rank, world_size=WORLD)
     vote = StopVote()
-    # The signalled rank's flag stays set from poll signal_at on, as preemption.received() does.
+    # The signalled rank's flag stays set from poll signal_at on, as signals.received() does.
     seen = [vote.poll(rank == signalled_rank and poll >= signal_at) for poll in range(POLLS)]
     vote.close()
     (folder / f"rank{rank}.json").write_text(json.dumps(seen))

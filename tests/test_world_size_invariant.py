@@ -16,8 +16,8 @@ from checks import assert_refused
 from launch import compare, together, train
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
-from torchtitan_rng.invariant.reduction import butterfly_sum, tree_sum
-from torchtitan_rng.invariant.setup import plan_layout
+from torchtitan_rng.parallel.invariant.reduction import butterfly_sum, tree_sum
+from torchtitan_rng.parallel.invariant.setup import plan_layout
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.models.llama.spec import build_text_dataset
 

@@ -25,7 +25,6 @@ _EXPORTS: dict[str, str] = {
     "TrainState": "torchtitan_rng.checkpoint.train_state",
     # Checkpoints on torch.distributed.checkpoint.
     "CheckpointManager": "torchtitan_rng.checkpoint.manager",
-    "CheckpointError": "torchtitan_rng.checkpoint.layout",
     "ModelState": "torchtitan_rng.checkpoint.states",
     "OptimizerState": "torchtitan_rng.checkpoint.states",
     "checkpoint_parts": "torchtitan_rng.checkpoint.states",
@@ -52,7 +51,10 @@ _EXPORTS: dict[str, str] = {
     "TrainSpec": "torchtitan_rng.train_spec",
     "register_train_spec": "torchtitan_rng.train_spec",
     "JobConfig": "torchtitan_rng.config",
-    "ConfigError": "torchtitan_rng.config",
+    # Every error a user sees derives from TorchtitanRngError (one line: what is wrong, what to do).
+    "TorchtitanRngError": "torchtitan_rng.errors",
+    "ConfigError": "torchtitan_rng.errors",
+    "CheckpointError": "torchtitan_rng.errors",
 }
 
 __all__ = list(_EXPORTS)
@@ -72,12 +74,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors (tests check both lists agree)
-    from torchtitan_rng.checkpoint.layout import CheckpointError, complete_steps, resolve_checkpoint
+    from torchtitan_rng.checkpoint.layout import complete_steps, resolve_checkpoint
     from torchtitan_rng.checkpoint.manager import CheckpointManager
     from torchtitan_rng.checkpoint.safe_load import SafeLoadPlanner
     from torchtitan_rng.checkpoint.states import ModelState, OptimizerState, checkpoint_parts
-    from torchtitan_rng.config import ConfigError, JobConfig
+    from torchtitan_rng.config import JobConfig
     from torchtitan_rng.data.dataloader import ResumableDataLoader
+    from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError
     from torchtitan_rng.data.sample_rng import SampleRandomDataset, sample_generator, sample_numpy_generator
     from torchtitan_rng.data.sampler import split_sample_key
     from torchtitan_rng.data.worker_rng import WorkerRNGDataset

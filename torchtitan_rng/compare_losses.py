@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.loss_log import LossLogError, read_loss_log
-from torchtitan_rng.diagnosis.plot import PlotUnavailable, plot_losses, pyplot
+from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
+from torchtitan_rng.errors import TorchtitanRngError, report
+from torchtitan_rng.loss_log import read_loss_log
 
 
 def same_bits(a: float, b: float) -> bool:
@@ -85,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None:
             pyplot()  # fail on a missing matplotlib before comparing anything
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
-    except (LossLogError, PlotUnavailable) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err)
     result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
     if result.loss_differs:

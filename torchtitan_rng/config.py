@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.checkpoint.layout import PARTS
+from torchtitan_rng.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib as toml_reader
@@ -28,10 +28,6 @@ else:  # pragma: no cover - Python 3.10
 RNG_STREAMS = ("python", "numpy", "torch_cpu", "device", "dataloader")
 COMPILE_COMPONENTS = ("model", "loss")
 _PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
-
-
-class ConfigError(ValueError):
-    """A bad configuration: the message is one line saying what is wrong and what to do."""
 
 
 @dataclass
@@ -384,11 +380,6 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
-    for name in config.checkpoint.exclude_from_loading:
-        if name not in PARTS:
-            raise ConfigError(
-                f"config checkpoint.exclude_from_loading has {name!r}; valid parts: {', '.join(PARTS)}"
-            )
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
 

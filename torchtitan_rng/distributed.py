@@ -22,14 +22,6 @@ class World:
     device: torch.device
     mesh: Any = None  # the data-parallel DeviceMesh when world_size > 1
 
-    @property
-    def dp_rank(self) -> int:
-        return self.rank
-
-    @property
-    def dp_world(self) -> int:
-        return self.world_size
-
 
 def init_distributed(config: JobConfig) -> World:
     """Join torchrun's process group when there is one; plain ``python train.py`` runs alone."""

@@ -18,10 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchtitan_rng.errors import TorchtitanRngError
+
 LOSS_LOG_NAME = "loss_log.jsonl"
 
 
-class LossLogError(ValueError):
+class LossLogError(TorchtitanRngError, ValueError):
     """A loss log that cannot be read or written; the message names the file (and line) and why."""
 
 

@@ -30,21 +30,23 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.layout import CheckpointError, resolve_checkpoint
+from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint.layout import resolve_checkpoint
 from torchtitan_rng.checkpoint.manager import CheckpointManager
-from torchtitan_rng.checkpoint.resume import load_checkpoint
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.checkpoint.vetting import vet
 from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style, shutdown_workers
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
-from torchtitan_rng.distributed import StopVote, on_rank_zero, rank_and_world_size
-from torchtitan_rng.launch import preemption
+from torchtitan_rng.distributed import StopVote, rank_and_world_size
+from torchtitan_rng.errors import CheckpointError, TorchtitanRngError
+from torchtitan_rng.parallel.data_parallel import DataParallelPlan
+from torchtitan_rng import signals
 from torchtitan_rng.rng import seed_training_streams
 
 
-class RestoreOrderError(RuntimeError):
+class RestoreOrderError(TorchtitanRngError, RuntimeError):
     """A step of the resume order was skipped: ``iter(dataloader)`` before ``load()``, or ``restore_rng()``
     after randomness of the resumed step was consumed; one line says which."""
 
@@ -284,7 +286,7 @@ class ExactResume:
                 dataloader.snapshot_every_n_steps = interval
         if stop_signals:
             # Before iter(dataloader) forks the workers: they learn which signals to ignore.
-            preemption.install(tuple(stop_signals))
+            signals.install(tuple(stop_signals))
         # The loader weakly: the finalizer alone must not keep it, and its workers, alive.
         self._at_exit = weakref.finalize(self, _shut_down_at_exit,
                                          weakref.ref(dataloader) if dataloader is not None else None)
@@ -330,12 +332,19 @@ class ExactResume:
         path = resolve_checkpoint(self.manager.folder, load_step, initial_load_path)
         if path is None:
             return 0
-        loaded = load_checkpoint(self.manager, path, world_size=self.world_size, exclude=exclude,
-                                 vet=lambda checkpoint: self._vet(checkpoint, allow_changes))
+        try:
+            vetted = vet(path, layout=lambda info: DataParallelPlan.check_checkpoint(info, self.world_size, None),
+                         record=self.record, allowed=allow_changes, opt_in=_OwnLoopOptIn(),
+                         device=self.train_state.device)
+        except run_record.ConfigDriftError as err:
+            raise CheckpointError(str(err)) from None
+        for line in vetted.warnings if self.rank == 0 else ():
+            print(line, file=sys.stderr, flush=True)
+        result = self.manager.load(vetted.info, exclude=exclude)
         self._apply_allowed_changes(path)
-        if loaded.result.missing:
+        if result.missing:
             raise CheckpointError(
-                f"checkpoint {path} holds no {', '.join(loaded.result.missing)} for this run (saved without that "
+                f"checkpoint {path} holds no {', '.join(result.missing)} for this run (saved without that "
                 "part); pass exclude=[...] to start those parts fresh"
             )
         self.loaded_from = path
@@ -361,23 +370,6 @@ class ExactResume:
         if self.seed is not None:
             seed_training_streams(self.seed, self.rank)
         return False
-
-    def _vet(self, checkpoint: Path, allow_changes: Sequence[str]) -> None:
-        """Before loading: the files as written (rank 0 reads them once), then the record against this loop."""
-        def verify() -> None:
-            if not integrity.verify_integrity(checkpoint) and self.rank == 0:
-                print(f"WARNING: checkpoint {checkpoint} has no checksums (saved by an older version): damage to "
-                      "its files cannot be detected", file=sys.stderr, flush=True)
-
-        on_rank_zero(verify, CheckpointError(f"checkpoint {checkpoint} is damaged (rank 0 names the file)"),
-                     self.train_state.device, (CheckpointError,))
-        try:
-            warnings = run_record.check_resume(checkpoint, run_record.read_record(checkpoint), self.record,
-                                               allow_changes, _OwnLoopOptIn())
-        except run_record.ConfigDriftError as err:
-            raise CheckpointError(str(err)) from None
-        for line in warnings if self.rank == 0 else ():
-            print(line, file=sys.stderr, flush=True)
 
     def _apply_allowed_changes(self, checkpoint: Path) -> None:
         """The optimizer hyperparameters that ``allow_changes`` let differ: the values built with, not the
@@ -436,7 +428,7 @@ class ExactResume:
         always False and costs nothing."""
         if self._stop_vote is None:
             return False
-        if not self._stop_vote.poll(preemption.received() is not None):
+        if not self._stop_vote.poll(signals.received() is not None):
             return False
         self.save(step)
         return True

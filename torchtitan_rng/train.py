@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_rng.config import ConfigError, parse_args, usage
-from torchtitan_rng.launch import orphans, preemption
+from torchtitan_rng.config import parse_args, usage
+from torchtitan_rng.errors import TorchtitanRngError, report
+from torchtitan_rng import signals
+from torchtitan_rng.launch import orphans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,13 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(usage("python -m torchtitan_rng.train"))
         return 0
-    preemption.install()
+    signals.install()
     try:
         config = parse_args(args)
-        preemption.install(config.signals.checkpoint_on)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        signals.install(config.signals.checkpoint_on)
+    except TorchtitanRngError as err:
+        return report(err)
 
     from torchtitan_rng.trainer import run
 

@@ -1,13 +1,12 @@
 """Train specs: what a model name in the config (``model.name``) builds.
 
 A spec bundles the model, its dataset, its loss and how to shard it. The built-in specs are ``llama`` and
-``flux``; ``job.custom_module`` may import a user module that calls :func:`register_train_spec`.
+``flux`` (``torchtitan_rng/models``); ``job.custom_module`` may import a user module that calls
+:func:`register_train_spec`. This module knows no model: ``torchtitan_rng.models.get_train_spec`` looks one up.
 """
 
 from __future__ import annotations
 
-import importlib
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import JobConfig
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch, JobConfig], torch.Tensor]
@@ -56,46 +55,6 @@ def register_train_spec(spec: TrainSpec) -> None:
     _specs[spec.name] = spec
 
 
-def _registered_names() -> str:
-    return ", ".join(sorted(_specs)) or "none"
-
-
-def _import_custom_module(name: str) -> None:
-    """Import ``job.custom_module``; any failure is a user error reported in one line."""
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name and (name == err.name or name.startswith(err.name + ".")):
-            raise ConfigError(
-                f"job.custom_module {name!r} not found: no module {err.name!r} on the Python path (put the "
-                f"folder that holds it on PYTHONPATH); registered model names: {_registered_names()}"
-            ) from None
-        raise ConfigError(f"job.custom_module {name!r} failed to import: {_one_line(err)}") from None
-    except Exception as err:  # whatever the user's module raises
-        raise ConfigError(f"job.custom_module {name!r} failed to import: {_one_line(err)}") from None
-
-
-def _one_line(err: BaseException) -> str:
-    """``Type: first line of the message (file:line where it was raised)``."""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    # The innermost frame in a real file (importlib's own frames are "<frozen ...>"); a SyntaxError's
-    # message already names its file and line.
-    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if not frame.filename.startswith("<")]
-    if not frames or isinstance(err, SyntaxError):
-        return f"{type(err).__name__}: {message}"
-    return f"{type(err).__name__}: {message} ({Path(frames[-1].filename).name}:{frames[-1].lineno})"
-
-
-def get_train_spec(config: JobConfig) -> TrainSpec:
-    """The spec for ``model.name``, importing ``job.custom_module`` first if one is given."""
-    import torchtitan_rng.models  # noqa: F401  (registers the built-in specs)
-
-    if config.job.custom_module:
-        _import_custom_module(config.job.custom_module)
-    if config.model.name not in _specs:
-        hint = (f"job.custom_module {config.job.custom_module!r} did not register it" if config.job.custom_module
-                else "a custom model needs job.custom_module to register it")
-        raise ConfigError(
-            f"unknown model.name {config.model.name!r}; registered: {_registered_names()} ({hint})"
-        )
-    return _specs[config.model.name]
+def registered_specs() -> dict[str, TrainSpec]:
+    """Every spec registered so far, by name (``torchtitan_rng.models.get_train_spec`` looks one up)."""
+    return _specs

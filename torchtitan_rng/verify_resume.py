@@ -24,7 +24,9 @@ from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
 from torchtitan_rng.launch.runs import run_training
-from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log
+from torchtitan_rng import errors
+from torchtitan_rng.errors import TorchtitanRngError
+from torchtitan_rng.loss_log import loss_log_path, read_loss_log
 
 USAGE = ("usage: python -m torchtitan_rng.verify_resume --config F --steps N --stop-at K [--nproc P] "
          "[--keep DIR] [--section.key value ...]")
@@ -158,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="verify_resume_") as scratch:
             work = request.keep if request.keep is not None else Path(scratch)
             passed, report = verify(request, work)
-    except (ConfigError, LossLogError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except TorchtitanRngError as err:
+        return errors.report(err)
     except RunFailed as err:
         if err.exit_code == 2:
             print(f"error: {err}", file=sys.stderr)

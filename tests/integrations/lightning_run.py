@@ -68,10 +68,10 @@ class Record(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         if (trainer.global_step == self.pause_at and accumulating == self.pause_micro
                 and trainer.global_rank in self.pause_ranks):
-            from torchtitan_rng.launch import preemption
+            from torchtitan_rng import signals
 
             (self.out / f"paused_rank{trainer.global_rank}").write_text(str(os.getpid()))
-            while preemption.received() is None:  # the test signals once it reads the file
+            while signals.received() is None:  # the test signals once it reads the file
                 time.sleep(0.01)
 
 

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from torchtitan_rng.checkpoint.layout import CheckpointError
+from torchtitan_rng.errors import CheckpointError
 
 CHECKSUMS_NAME = "checksums.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
@@ -86,5 +86,5 @@ def verify_integrity(folder: Path) -> bool:
 
 
 def _damaged(folder: Path, what: str) -> NoReturn:
-    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with --checkpoint.load_step "
+    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with load_step= "
                           "(or move it away)")

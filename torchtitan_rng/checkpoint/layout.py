@@ -8,7 +8,7 @@ deleting it, so a crash mid-prune never leaves a half-deleted ``step-N`` either.
 ``.metadata`` is therefore not ours (a copy cut short, a damaged disk) and is reported, not skipped.
 
 Errors name the parameters of the functions here (``load_step=``); the trainer words them as its flags
-(``config.as_flags``). This module imports nothing heavy: the config validates part names with it.
+(``config.as_flags``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Iterable
+
+from torchtitan_rng.errors import CheckpointError
 
 # The parts every checkpoint of a run holds, by name (the top-level keys of DCP's state dict).
 MODEL = "model"
@@ -31,10 +33,6 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Per-rank values live under rank-unique keys: DCP keeps only one copy of a same-key non-DTensor value saved
 # from every rank, so a shared key would hand every rank rank 0's value on load.
 _PER_RANK_KEY = re.compile(r"^(dp_)?rank_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message is one line saying which and why."""
 
 
 def first_line(err: BaseException) -> str:

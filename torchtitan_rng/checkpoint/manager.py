@@ -29,7 +29,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from torchtitan_rng.checkpoint import integrity, layout, run_record
-from torchtitan_rng.checkpoint.layout import CheckpointError, first_line
+from torchtitan_rng.checkpoint.layout import first_line
+from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter

@@ -17,7 +17,6 @@ means ``training.steps``, so the horizon is compared, not the spelling: stopping
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from dataclasses import dataclass
@@ -25,13 +24,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
-from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
+from torchtitan_rng.errors import TorchtitanRngError
 
 RECORD_NAME = "run.json"
 _FORMAT = 1
-# Bytes hashed at each end of a dataset file: cheap on any size, and a changed file almost always
-# differs in size or at one end.
-_HASHED_END_BYTES = 1 << 20
 
 # Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
 QUIET = (
@@ -49,10 +45,10 @@ QUIET = (
 )
 # Compared through the data fingerprint: the same file under another path changes nothing.
 _DATA_KEY = "training.dataset_path"
-_HORIZON = "lr_scheduler.total_steps"
+HORIZON_KEY = "lr_scheduler.total_steps"  # compared resolved (0 means training.steps)
 
 
-class ConfigDriftError(ValueError):
+class ConfigDriftError(TorchtitanRngError, ValueError):
     """A resume with changed trajectory keys; the message has one line per key."""
 
 
@@ -63,42 +59,9 @@ def project_version() -> str:
         return "unknown"
 
 
-def _file_fingerprint(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    digest = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as file:
-        digest.update(file.read(_HASHED_END_BYTES))
-        if size > _HASHED_END_BYTES:
-            file.seek(max(_HASHED_END_BYTES, size - _HASHED_END_BYTES))
-            digest.update(file.read())
-    return {"bytes": size, "blake2b_ends": digest.hexdigest()}
-
-
-def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
-    number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
-    # A stream (an IterableDataset) has no length: its file's fingerprint stands for it.
-    fingerprint: dict[str, Any] = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
-    path = Path(config.training.dataset_path)
-    if config.training.dataset_path and path.is_file():
-        fingerprint.update(_file_fingerprint(path))
-    return fingerprint
-
-
-def resolved(config: JobConfig) -> dict[str, Any]:
-    """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
-    values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
-    values[_HORIZON] = lr_total_steps(config)
-    return values
-
-
-def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    return make_record(resolved(config), data_fingerprint(config, dataset))
-
-
 def make_record(values: dict[str, Any], data: dict[str, Any] | None) -> dict[str, Any]:
-    """A record of ``values`` (``section.key``: a JSON value) and a data fingerprint; ExactResume builds its own
-    values. JSON round-trip: a tuple compares equal to the list it is read back as."""
+    """A record of ``values`` (``section.key``: a JSON value) and a data fingerprint (the trainer's come from its
+    config, ``resume.build_record``; ExactResume builds its own). JSON round-trip: a tuple compares equal to the list it is read back as."""
     import torch  # only a training process, which has torch loaded, builds a record
 
     return {
@@ -125,7 +88,7 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} is damaged (not the JSON this trainer "
-                               "writes); pick another checkpoint with --checkpoint.load_step")
+                               "writes); pick another checkpoint with load_step=")
     return record
 
 
@@ -152,10 +115,10 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     saved_config, config = saved["config"], current["config"]
     changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
                if key != _DATA_KEY and not is_quiet(key) and saved_config[key] != config[key]]
-    steps, horizon = config.get("training.steps", 0), config.get(_HORIZON, 0)
-    ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(_HORIZON, 0)
-    if horizon == saved_config.get(_HORIZON) and steps > horizon and not ran_past_before:
-        changes.append(Change(_HORIZON, horizon, horizon, what=(
+    steps, horizon = config.get("training.steps", 0), config.get(HORIZON_KEY, 0)
+    ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(HORIZON_KEY, 0)
+    if horizon == saved_config.get(HORIZON_KEY) and steps > horizon and not ran_past_before:
+        changes.append(Change(HORIZON_KEY, horizon, horizon, what=(
             f"training.steps = {steps} runs past lr_scheduler.total_steps = {horizon}, the horizon checkpoint "
             f"{{checkpoint}} was trained with (steps {horizon + 1}-{steps} would train at the schedule's final "
             "learning rate)")))
@@ -205,8 +168,11 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
                            "then no longer exact)")
     if refused:
         raise ConfigDriftError("\nerror: ".join(refused))
-    saved_version = (saved.get("versions") or {}).get("torchtitan_rng")
-    if saved_version != current["versions"]["torchtitan_rng"]:
-        warnings.append(f"note: checkpoint {checkpoint} was saved by torchtitan_rng {saved_version}, this is "
-                        f"{current['versions']['torchtitan_rng']}")
+    saved_versions = saved.get("versions") or {}
+    # Named, not refused: another Python reads the same checkpoint (its pickles are checked form by form), and
+    # another torch may compute other bits, which the user should know when comparing logs.
+    moved = [f"{name} {saved_versions.get(name)} (this is {now})" for name, now in current["versions"].items()
+             if saved_versions.get(name) != now]
+    if moved:
+        warnings.append(f"note: checkpoint {checkpoint} was saved by {', '.join(moved)}")
     return warnings

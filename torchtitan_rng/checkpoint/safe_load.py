@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from torchtitan_rng.checkpoint.layout import CheckpointError, first_line, saved_world_size
+from torchtitan_rng.checkpoint.layout import first_line, saved_world_size
+from torchtitan_rng.errors import CheckpointError
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

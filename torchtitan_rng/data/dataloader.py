@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from torch.utils.data import Dataset, IterableDataset
@@ -15,7 +16,7 @@ from torchdata.stateful_dataloader.stateful_dataloader import (
 
 from torchtitan_rng.checkpoint.layout import dp_rank_key
 from torchtitan_rng.config import ConfigError
-from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
+from torchtitan_rng.signals import ignore_checkpoint_signals
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
@@ -23,8 +24,13 @@ from torchtitan_rng.rng import stream_generator
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 
 
-# torchdata 0.11 calls a deprecated torch API at every loader construction; the warning is not ours to fix.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+@contextmanager
+def built_quietly() -> Iterator[None]:
+    """Around a StatefulDataLoader's construction: torchdata 0.11 calls a deprecated torch API there
+    (``torch.set_vital``), a warning that is neither ours nor the user's to fix."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        yield
 
 
 def map_style_problem(dataset: Any) -> str | None:
@@ -105,21 +111,22 @@ class ResumableDataLoader(StatefulDataLoader):
         # A sampler handed in (world-size-invariant training) replaces the per-rank one.
         sampler = batch_sampler or ResumableBatchSampler(len(dataset), batch_size, dp_rank, dp_world, seed,
                                                          shuffle=shuffle)
-        super().__init__(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            generator=stream_generator("dataloader", seed, dp_rank),
-            snapshot_every_n_steps=snapshot_every_n_steps,
-            # A cluster signals every process of a job; the rank decides when to stop, not its workers.
-            worker_init_fn=_WorkerInit(worker_init_fn),
-            collate_fn=collate_fn,
-            pin_memory=pin_memory,
-            timeout=timeout,
-            multiprocessing_context=multiprocessing_context,
-            persistent_workers=persistent_workers,
-        )
+        with built_quietly():
+            super().__init__(
+                dataset,
+                batch_sampler=sampler,
+                num_workers=num_workers,
+                prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                generator=stream_generator("dataloader", seed, dp_rank),
+                snapshot_every_n_steps=snapshot_every_n_steps,
+                # A cluster signals every process of a job; the rank decides when to stop, not its workers.
+                worker_init_fn=_WorkerInit(worker_init_fn),
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                timeout=timeout,
+                multiprocessing_context=multiprocessing_context,
+                persistent_workers=persistent_workers,
+            )
         # Batches handed out since construction or the last load_state_dict: a restore of the global RNG
         # after one was fetched comes too late for that batch (resume.ExactResume refuses it).
         self.batches_since_load = 0
@@ -131,7 +138,7 @@ class ResumableDataLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[Any]:
         if self.before_iter is not None:
             self.before_iter()
-        return _CountingIterator(super().__iter__(), self)
+        return CountingIterator(super().__iter__(), self)
 
     def state_dict(self) -> dict[str, Any]:
         # Not iterated since construction or the last load: the state is the pending one (None: the start).
@@ -186,14 +193,14 @@ def shutdown_workers(loader: StatefulDataLoader) -> None:
         shutdown()
 
 
-class _CountingIterator:
+class CountingIterator:
     """The loader's own iterator, counting the batches it yields into ``loader.batches_since_load``."""
 
     def __init__(self, inner: Iterator[Any], loader: ResumableDataLoader) -> None:
         self.inner = inner
         self.loader = loader
 
-    def __iter__(self) -> _CountingIterator:
+    def __iter__(self) -> CountingIterator:
         return self
 
     def __next__(self) -> Any:

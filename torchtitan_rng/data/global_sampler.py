@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import torch
 
-from torchtitan_rng.rng import stream_generator
+from torchtitan_rng.data.sampler import epoch_order
 
 
 class GlobalBatchSampler:
@@ -43,11 +42,7 @@ class GlobalBatchSampler:
         """The sample key at a position of the global stream."""
         epoch, offset = divmod(position, self.num_samples)
         if epoch != self._epoch:
-            if self.shuffle:
-                order = torch.randperm(self.num_samples, generator=stream_generator("sampler", self.seed, epoch))
-            else:
-                order = torch.arange(self.num_samples)
-            self._epoch, self._order = epoch, order.tolist()
+            self._epoch, self._order = epoch, epoch_order(self.num_samples, self.seed, epoch, self.shuffle).tolist()
         return epoch * self.num_samples + self._order[offset]
 
     def keys_of(self, step: int, slot: int) -> list[int]:

@@ -19,6 +19,14 @@ def split_sample_key(key: int, num_samples: int) -> tuple[int, int]:
     return divmod(int(key), num_samples)
 
 
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The order of the samples in ``epoch``: a permutation from the run-rooted "sampler" stream (the same for
+    every rank and process count), or the identity without shuffling."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    return torch.randperm(num_samples, generator=stream_generator("sampler", seed, epoch))
+
+
 class ResumableBatchSampler:
     """Yields lists of sample keys for one data-parallel rank; its own iterator, and Stateful.
 
@@ -42,10 +50,7 @@ class ResumableBatchSampler:
 
     def _keys_of_epoch(self) -> list[int]:
         if self._epoch_keys is None:
-            if self.shuffle:
-                order = torch.randperm(self.num_samples, generator=stream_generator("sampler", self.seed, self.epoch))
-            else:
-                order = torch.arange(self.num_samples)
+            order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
             per_rank = self.num_samples // self.dp_world
             mine = order[self.dp_rank :: self.dp_world][:per_rank]
             self._epoch_keys = (mine + self.epoch * self.num_samples).tolist()

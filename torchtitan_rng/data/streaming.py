@@ -27,9 +27,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError
 from torchtitan_rng.checkpoint.layout import dp_rank_key
-from torchtitan_rng.data.dataloader import _CountingIterator
-from torchtitan_rng.launch.preemption import ignore_checkpoint_signals
-from torchtitan_rng.rng import stream_generator, stream_seed
+from torchtitan_rng.data.dataloader import CountingIterator, built_quietly
+from torchtitan_rng.signals import ignore_checkpoint_signals
+from torchtitan_rng.rng import stream_generator
 
 
 class TokenReader(Protocol):
@@ -154,7 +154,7 @@ def _worker_error_message(message: str) -> str:
     return last.split("ConfigError: ", 1)[-1]
 
 
-class _StreamBatches(_CountingIterator):
+class _StreamBatches(CountingIterator):
     def __next__(self) -> Any:
         try:
             return super().__next__()
@@ -174,16 +174,17 @@ class StreamingDataLoader(StatefulDataLoader):
         stream.assign_rank(dp_rank, dp_world)
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.num_workers_configured = num_workers
-        super().__init__(
-            stream,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            # Its own generator: the workers' base seed must not be drawn from the global CPU stream.
-            generator=torch.Generator().manual_seed(stream_seed("dataloader", seed, dp_rank)),
-            snapshot_every_n_steps=snapshot_every_n_steps,
-            worker_init_fn=ignore_checkpoint_signals,
-        )
+        with built_quietly():
+            super().__init__(
+                stream,
+                batch_size=batch_size,
+                num_workers=num_workers,
+                prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                # Its own generator: the workers' base seed must not be drawn from the global CPU stream.
+                generator=stream_generator("dataloader", seed, dp_rank),
+                snapshot_every_n_steps=snapshot_every_n_steps,
+                worker_init_fn=ignore_checkpoint_signals,
+            )
         self.batches_since_load = 0
 
     def __iter__(self) -> Iterator[Any]:

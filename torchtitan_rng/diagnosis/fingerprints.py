@@ -7,10 +7,10 @@ was exact, stream by stream and rank by rank. Every rank's fingerprints are gath
 collective per step, only when the option is on) and written into its loss-log line as
 ``"rng_fingerprint": [{stream: hash} for each rank]``.
 
-In world-size-invariant training no stream is carried from step to step: every micro-batch seeds them
-from ``(seed, step, slot)``. There the streams are fingerprinted as this rank's first micro-batch of the
-step will have them, and the data as its batch sampler's position (the rest of the loader's state is not
-restored in that mode, so it is not compared).
+Where the run's parallel plan carries no stream from step to step (every micro-batch seeds them from
+``(seed, step, slot)``), the streams are fingerprinted as this rank's first
+micro-batch of the step will have them (``plan.step_streams``), and the data as what carries its position
+there (``plan.data_position``: the batch sampler; the rest of the loader's state is not restored in that mode).
 """
 
 from __future__ import annotations
@@ -24,28 +24,16 @@ import torch.distributed as dist
 
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, JobConfig, parse_perturb_rng
-from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.diagnosis.divergence import FINGERPRINT_KEY
-from torchtitan_rng.rng import (capture_global_rng, fingerprint, preserved_global_rng, registered_generators,
-                                seed_micro_batch_streams)
+from torchtitan_rng.parallel.plan import ParallelPlan
+from torchtitan_rng.rng import capture_global_rng, fingerprint, registered_generators
 
 
-def stream_fingerprints(device: torch.device, dataloader: Stateful) -> dict[str, str]:
-    """A short hash of each random stream of this rank, as it stands now (drawing nothing from any)."""
+def stream_fingerprints(device: torch.device, data_position: Stateful) -> dict[str, str]:
+    """A short hash of each random stream of this rank, as it stands now (drawing nothing from any), and of what
+    carries its data position (the sampler position, worker seeds and whatever else the loader carries)."""
     prints = _global_stream_prints(device)
-    # The sampler position, worker seeds and whatever else the loader carries across a resume.
-    prints["dataloader"] = fingerprint(dataloader.state_dict())
-    return prints
-
-
-def invariant_fingerprints(device: torch.device, seed: int, step: int, slot: int,
-                           sampler: GlobalBatchSampler) -> dict[str, str]:
-    """World-size-invariant training: the streams as micro-batch ``slot`` of ``step`` is seeded with (no
-    stream of the run moves), and the sampler's position."""
-    with preserved_global_rng(device):
-        seed_micro_batch_streams(seed, step, slot)
-        prints = _global_stream_prints(device)
-    prints["dataloader"] = fingerprint(sampler.state_dict())
+    prints["dataloader"] = fingerprint(data_position.state_dict())
     return prints
 
 
@@ -70,24 +58,22 @@ def _gather(prints: dict[str, str]) -> list[dict[str, str]]:
 class StreamProbe:
     """Called entering every step; costs one ``if`` per step when both options are off."""
 
-    def __init__(self, config: JobConfig, *, rank: int, world_size: int, device: torch.device,
-                 dataloader: Stateful, invariant: tuple[GlobalBatchSampler, int] | None = None) -> None:
-        """``invariant``: in world-size-invariant training, the batch sampler and this rank's first micro-batch
-        slot of a step."""
+    def __init__(self, config: JobConfig, plan: ParallelPlan, *, rank: int, world_size: int,
+                 dataloader: Stateful) -> None:
+        """``plan``: how the run's streams enter a step (carried, or seeded by each micro-batch)."""
         self.enabled = config.debug.rng_fingerprint
         self.rank = rank
-        self.device = device
-        self.dataloader = dataloader
-        self.seed = config.debug.seed
-        self.invariant = invariant
+        self.plan = plan
+        self.device = plan.world.device
+        self.data_position = plan.data_position(dataloader)
         self.perturb: tuple[str, int, int] | None = None
         if config.debug.perturb_rng:
             stream, perturb_rank, step = parse_perturb_rng(config.debug.perturb_rng)
-            _check_stream_exists(stream, perturb_rank, world_size, device)
-            if invariant is not None and stream != "dataloader":
-                raise ConfigError(f"config debug.perturb_rng disturbs the {stream} stream entering a step, but with "
-                                  "parallelism.world_size_invariant every micro-batch seeds the streams anew, so it "
-                                  "would change nothing; perturb the dataloader instead")
+            _check_stream_exists(stream, perturb_rank, world_size, self.device)
+            if not plan.carries_streams and stream != "dataloader":
+                raise ConfigError(f"config debug.perturb_rng disturbs the {stream} stream entering a step, but in this "
+                                  "run every micro-batch seeds the streams anew, so it would change nothing; perturb "
+                                  "the dataloader instead")
             self.perturb = (stream, perturb_rank, step)
 
     def at_boundary(self, step: int, data_iter: Iterator[Any]) -> dict[str, Any]:
@@ -96,11 +82,8 @@ class StreamProbe:
             _disturb(self.perturb[0], self.device, data_iter)
         if not self.enabled:
             return {}
-        if self.invariant is None:
-            prints = stream_fingerprints(self.device, self.dataloader)
-        else:
-            sampler, first_slot = self.invariant
-            prints = invariant_fingerprints(self.device, self.seed, step, first_slot, sampler)
+        with self.plan.step_streams(step):
+            prints = stream_fingerprints(self.device, self.data_position)
         gathered = _gather(prints)
         return {FINGERPRINT_KEY: gathered} if self.rank == 0 else {}
 

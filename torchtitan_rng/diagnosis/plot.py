@@ -10,8 +10,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from torchtitan_rng.errors import TorchtitanRngError
 
-class PlotUnavailable(RuntimeError):
+
+class PlotUnavailable(TorchtitanRngError, RuntimeError):
     """matplotlib is not installed."""
 
 

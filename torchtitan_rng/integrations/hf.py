@@ -29,10 +29,11 @@ import transformers
 from torch.utils.data import IterableDataset
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
+from torchtitan_rng import signals
 from torchtitan_rng.distributed import StopVote
+from torchtitan_rng.errors import ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
-from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import preserved_global_rng
 
 check_tested_version("transformers")
@@ -66,7 +67,7 @@ class _ExactResumeCallback(transformers.TrainerCallback):
             epoch, updates, batches = self.resumed_epoch
             done = min((state.global_step - epoch * updates) * args.gradient_accumulation_steps, batches)
             state.epoch = epoch + done / batches
-        if self.vote is not None and self.vote.poll(preemption.received() is not None):
+        if self.vote is not None and self.vote.poll(signals.received() is not None):
             self.vote.close()  # the vote cast with it: the same signal, acted on now
             self.vote = None
             self.stopping = control.should_save = control.should_training_stop = True
@@ -78,7 +79,7 @@ class _ExactResumeCallback(transformers.TrainerCallback):
     def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                 control: transformers.TrainerControl, **kwargs: Any) -> None:
         if self.stopping:
-            preemption.acknowledge()
+            signals.acknowledge()
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: Any) -> None:
@@ -110,13 +111,13 @@ class ExactResumeTrainer(transformers.Trainer):
         for name, value in (("on_stock_checkpoint", on_stock_checkpoint),
                             ("on_num_workers_change", on_num_workers_change)):
             if value not in ("error", "warn"):
-                raise ValueError(f'ExactResumeTrainer {name}={value!r}: use "error" or "warn"')
+                raise ConfigError(f'ExactResumeTrainer {name}={value!r}: use "error" or "warn"')
         super().__init__(*args, **kwargs)
         if self.args.save_only_model:
             raise ValueError("ExactResumeTrainer needs save_only_model=False: a checkpoint without optimizer "
                              "and loader state cannot resume exactly")
         if self.args.train_sampling_strategy not in SAMPLING_STRATEGIES:
-            raise ValueError(f"ExactResumeTrainer train_sampling_strategy={self.args.train_sampling_strategy!r}: "
+            raise ConfigError(f"ExactResumeTrainer train_sampling_strategy={self.args.train_sampling_strategy!r}: "
                              f"its loader samples {' or '.join(map(repr, SAMPLING_STRATEGIES))} only; use one of them")
         self.on_stock_checkpoint = on_stock_checkpoint
         self.on_num_workers_change = on_num_workers_change
@@ -158,7 +159,7 @@ class ExactResumeTrainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with preemption.handling():
+            with signals.handling():
                 return super().train(*args, **kwargs)
         finally:
             if self._exact_loader is not None:
@@ -206,7 +207,7 @@ class ExactResumeTrainer(transformers.Trainer):
             return
         stock = any(name.startswith("rng_state") for name in os.listdir(checkpoint))
         if not stock or self.on_stock_checkpoint == "error":
-            raise ValueError(
+            raise ConfigError(
                 f"{checkpoint} has no {os.path.basename(path)}: "
                 + ("it was written by the stock Trainer; pass ExactResumeTrainer(..., on_stock_checkpoint=\"warn\") "
                    "to resume it once, inexactly" if stock else

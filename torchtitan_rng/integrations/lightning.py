@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from torchtitan_rng import signals
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
+from torchtitan_rng.errors import ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
-from torchtitan_rng.launch import preemption
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
 
 check_tested_version("lightning")
@@ -70,7 +71,7 @@ class ExactResumeCallback(L.Callback):
         self._loaders: list[EpochLoader] = []
         self._vote: StopVote | None = None
         self._signals: ExitStack | None = None
-        self._unheeded: preemption.Scope | None = None
+        self._unheeded: signals.Scope | None = None
         self._streams_before_validation: dict[str, Any] | None = None
 
     # -- start and end of training -------------------------------------------------------------------
@@ -94,7 +95,7 @@ class ExactResumeCallback(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._loaders = _epoch_loaders(trainer)  # kept for teardown, when Lightning has let go of them
         if len(self._loaders) != 1 or len(trainer.fit_loop._combined_loader.flattened) != 1:
-            raise ValueError("ExactResumeCallback needs one train loader: train_dataloader() returned several")
+            raise ConfigError("ExactResumeCallback needs one train loader: train_dataloader() returned several")
         self._own_signals(trainer)
         self.preempted_checkpoint = None
         self._vote = StopVote()  # every rank starts training here, with its process group up
@@ -133,7 +134,7 @@ class ExactResumeCallback(L.Callback):
             return
         self._signals = ExitStack()
         # Not redelivered at the end of training: Lightning's handler (back then) broadcasts from inside itself.
-        self._unheeded = self._signals.enter_context(preemption.handling(redeliver=False))
+        self._unheeded = self._signals.enter_context(signals.handling(redeliver=False))
         if trainer._signal_connector.received_sigterm:  # Lightning's handler had one: ours from now on
             trainer._signal_connector.received_sigterm = False
             signal.raise_signal(signal.SIGTERM)
@@ -143,7 +144,7 @@ class ExactResumeCallback(L.Callback):
         if stack is None:
             return
         if failed:  # an error ends fit(): it is what the process reports, not a pending signal
-            preemption.acknowledge()
+            signals.acknowledge()
         stack.close()
         if failed:
             self._unheeded = None
@@ -202,7 +203,7 @@ class ExactResumeCallback(L.Callback):
         # At optimizer steps only, the same ones on every rank; the vote is read one step later, never waited for.
         if trainer.fit_loop._should_accumulate() or self._vote is None:
             return
-        if self._vote.poll(preemption.received() is not None):
+        if self._vote.poll(signals.received() is not None):
             self._vote.close()  # the vote cast with it: the same signal, already acted on
             self._vote = None
             self._save_preempted(trainer)
@@ -213,7 +214,7 @@ class ExactResumeCallback(L.Callback):
         path = folder / f"preempted-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)  # a collective: every rank is here at the same step
         self.preempted_checkpoint = path
-        preemption.acknowledge()
+        signals.acknowledge()
 
 
 def _as_exact_loader(loader: Any, seed: int | None) -> Any:
@@ -224,7 +225,7 @@ def _as_exact_loader(loader: Any, seed: int | None) -> Any:
     if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
             or type(loader.sampler) not in (RandomSampler, SequentialSampler)
             or type(loader.batch_sampler) is not BatchSampler):
-        raise ValueError("ExactResumeCallback trains from a DataLoader over a map-style dataset with shuffle=True or "
+        raise ConfigError("ExactResumeCallback trains from a DataLoader over a map-style dataset with shuffle=True or "
                          "False and no sampler of its own; return torchtitan_rng.integrations.lightning."
                          "exact_resume_loader(dataset, batch_size=..., seed=...) from train_dataloader() instead")
     if seed is None:
@@ -234,7 +235,7 @@ def _as_exact_loader(loader: Any, seed: int | None) -> Any:
         if world > 1:
             dist.all_gather_object(seeds, seed)
         if len(set(seeds)) > 1:
-            raise ValueError(f"the ranks' seeds differ ({seeds}): call L.seed_everything(seed) before fit(), or pass "
+            raise ConfigError(f"the ranks' seeds differ ({seeds}): call L.seed_everything(seed) before fit(), or pass "
                              "ExactResumeCallback(seed=...), so that every rank shares the epoch permutations")
     return exact_resume_loader(loader.dataset, batch_size=loader.batch_size, seed=seed,  # type: ignore[arg-type]
                                num_workers=loader.num_workers, collate_fn=loader.collate_fn,

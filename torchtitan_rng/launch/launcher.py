@@ -11,7 +11,7 @@ It runs torchrun in this process (this process *is* the torchrun parent) with th
 * torchrun forwards a signal it handles to every rank, waits for them, then reports failure even when all
   of them checkpointed and exited 0. The signals of ``signals.checkpoint_on`` are added to the ones
   torchrun forwards, and when such a signal ends the run, the launcher exits 0 if every local rank left
-  its clean-exit marker (preemption.py), else 128 + the signal number. Ranks get ``--shutdown-timeout``
+  its clean-exit marker (signals.py), else 128 + the signal number. Ranks get ``--shutdown-timeout``
   (default 30 s, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to save before torchrun kills them.
 """
 
@@ -29,10 +29,11 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from torchtitan_rng import device
-from torchtitan_rng.launch import orphans, preemption, preflight, run_lock
-from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.layout import CheckpointError
-from torchtitan_rng.config import ConfigError, as_flags, parse_args
+from torchtitan_rng import signals
+from torchtitan_rng.launch import orphans, preflight, run_lock
+from torchtitan_rng.checkpoint import integrity
+from torchtitan_rng.config import as_flags, parse_args
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -53,13 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
-    except (ConfigError, CheckpointError, run_lock.RunLockError, run_record.ConfigDriftError) as err:
-        print(f"error: {as_flags(str(err))}", file=sys.stderr, flush=True)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err, as_flags)
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
     args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
-    os.environ[preemption.EXIT_DIR_ENV] = str(exit_dir)
+    os.environ[signals.EXIT_DIR_ENV] = str(exit_dir)
     os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
     if resumed is not None:  # its files were just verified: rank 0 need not read them all again
         os.environ[integrity.VERIFIED_ENV] = str(resumed)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as err:
         for name in args.signals_to_handle.split(","):  # the ranks are gone; a late signal changes nothing
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-        clean, expected = preemption.clean_exits(exit_dir)
+        clean, expected = signals.clean_exits(exit_dir)
         if expected and clean == expected:
             print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
                   f"{preflight.how_to_resume(config)}", flush=True)

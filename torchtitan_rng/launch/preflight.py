@@ -11,40 +11,29 @@ import os
 import sys
 from pathlib import Path
 
-from torchtitan_rng.checkpoint import run_record
-from torchtitan_rng.checkpoint.integrity import verify_integrity
-from torchtitan_rng.checkpoint.layout import CheckpointError, complete_steps, resolve_checkpoint
-from torchtitan_rng.checkpoint.resume import world_size_changed
-from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
-from torchtitan_rng.config import ConfigError, JobConfig, as_flags, parse_args
-from torchtitan_rng.invariant.setup import check_batch_layout
-from torchtitan_rng.launch import preemption
+from torchtitan_rng import resume, signals
+from torchtitan_rng.checkpoint.layout import complete_steps
+from torchtitan_rng.config import JobConfig, as_flags, parse_args
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
-from torchtitan_rng.train_spec import get_train_spec
+from torchtitan_rng.models import get_train_spec
+from torchtitan_rng.parallel import plan_class
 
 
 def check(config: JobConfig, world_size: int | None = None) -> Path | None:
-    """Raise ConfigError/CheckpointError for anything that would stop the run once started; the
-    checkpoint it would resume from must be complete, undamaged, trained with a config this run may
-    continue, and (when ``world_size`` is known) fit it. Returns that checkpoint (None: a fresh start)."""
+    """Raise a TorchtitanRngError for anything that would stop the run once started; the checkpoint it would
+    resume from goes through the one vetting (whole, layout for ``world_size`` when known, files, record).
+    Returns that checkpoint (None: a fresh start)."""
     spec = get_train_spec(config)
-    preemption.signal_numbers(config.signals.checkpoint_on)
+    signals.signal_numbers(config.signals.checkpoint_on)
     check_dump_folder(Path(config.job.dump_folder))
-    if config.parallelism.world_size_invariant and world_size is not None:
-        check_batch_layout(config, world_size)
-    ckpt = config.checkpoint
-    if not ckpt.enable:
-        return None
-    path = resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step, ckpt.initial_load_path)
+    if world_size is not None:
+        plan_class(config).check_config(config, world_size)
+    path = resume.checkpoint_to_resume(config)
     if path is None:
         return None
-    info = inspect_checkpoint(path)  # also checks every shard file
-    verify_integrity(path)
-    # Refused changes fail here, before any rank starts; the warnings are rank 0's to print.
-    run_record.check_resume(path, run_record.read_record(path), run_record.build_record(config, spec.build_dataset(config)),
-                            ckpt.allow_config_change)
-    if world_size is not None:
-        world_size_changed(info, world_size, ckpt.on_world_size_change, config.parallelism.world_size_invariant)
+    # Refusals fail here, before any rank starts; the warnings are rank 0's to print.
+    resume.vet_for(config, path, resume.build_record(config, spec.build_dataset(config)), world_size)
     return path
 
 
@@ -89,9 +78,8 @@ def how_to_resume(config: JobConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         check(parse_args(sys.argv[1:] if argv is None else argv))
-    except (ConfigError, CheckpointError, run_record.ConfigDriftError) as err:
-        print(f"error: {as_flags(str(err))}", file=sys.stderr)
-        return 2
+    except TorchtitanRngError as err:
+        return report(err, as_flags)
     return 0
 
 

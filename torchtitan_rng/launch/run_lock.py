@@ -31,13 +31,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from torchtitan_rng.errors import TorchtitanRngError
+
 LOCK_NAME = ".run.lock"
 TOKEN_ENV = "TORCHTITAN_RNG_RUN_LOCK"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
 
 
-class RunLockError(RuntimeError):
+class RunLockError(TorchtitanRngError, RuntimeError):
     """The dump folder is in use; the message names the run holding it."""
 
 

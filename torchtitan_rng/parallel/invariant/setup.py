@@ -16,7 +16,7 @@ from torchtitan_rng import device as device_lib
 from torchtitan_rng.config import ConfigError, JobConfig
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.data.worker_rng import uses_global_rng
-from torchtitan_rng.invariant.step import Layout
+from torchtitan_rng.parallel.invariant.step import Layout
 
 _FLAG = "--parallelism.world_size_invariant"
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchtitan_rng.config import JobConfig
-from torchtitan_rng.invariant.reduction import butterfly_sum, tree_sum
+from torchtitan_rng.parallel.invariant.reduction import butterfly_sum, tree_sum
 from torchtitan_rng.rng import seed_micro_batch_streams
 from torchtitan_rng.train_spec import Batch
 

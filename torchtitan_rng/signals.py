@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from torchtitan_rng.config import ConfigError
+from torchtitan_rng.errors import ConfigError
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 EXIT_DIR_ENV = "TORCHTITAN_RNG_EXIT_DIR"

@@ -1,0 +1,188 @@
+"""The trainer's resume policy: which checkpoint a run starts from, what this run is recorded as, and how its
+random streams and data start at the first resumed step.
+
+The checkpoint is vetted once (``checkpoint/vetting.py``: whole, layout, files, record) before anything is
+loaded; the run's parallel plan says what a checkpoint of another layout or process count means and where
+the data stands after the load. When the checkpoint does not fit the run exactly:
+
+* Another number of processes: refused in one line, unless the run's plan continues it exactly at any count
+  itself (``parallel/``), or ``checkpoint.on_world_size_change = "reseed"`` asks to go on inexactly: DCP reshards
+  model and optimizer; no saved per-rank stream is used (rank r of M processes has no counterpart among N);
+  every rank's global streams are reseeded from ``(seed, "reseed", step, rank)``; the plan repositions the data.
+* Another device type (saved on CUDA, resumed on the CPU, or the reverse): the device generator's state has
+  another format. Refused, unless ``checkpoint.allow_device_type_change``: then the device stream is reseeded
+  as above and the CPU, NumPy and Python streams are restored.
+* No RNG state (a checkpoint from an older version or another tool): a WARNING and reseeded streams;
+  ``checkpoint.strict_rng`` makes it an error.
+
+Every decision is taken from the checkpoint's metadata and the config, so all ranks take the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from torchtitan_rng.checkpoint import layout, run_record
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.checkpoint.vetting import Vetted, vet
+from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
+from torchtitan_rng.errors import CheckpointError, ConfigError
+from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel.plan import ParallelPlan
+from torchtitan_rng.rng import seed_training_streams, stream_seed
+
+# Bytes hashed at each end of a dataset file: cheap on any size, and a changed file almost always differs in
+# size or at one end.
+_HASHED_END_BYTES = 1 << 20
+
+
+# --- what this run is recorded as (run.json) ----------------------------------------------------------------
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as file:
+        digest.update(file.read(_HASHED_END_BYTES))
+        if size > _HASHED_END_BYTES:
+            file.seek(max(_HASHED_END_BYTES, size - _HASHED_END_BYTES))
+            digest.update(file.read())
+    return {"bytes": size, "blake2b_ends": digest.hexdigest()}
+
+
+def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
+    """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
+    number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
+    # A stream (an IterableDataset) has no length: its file's fingerprint stands for it.
+    fingerprint: dict[str, Any] = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
+    path = Path(config.training.dataset_path)
+    if config.training.dataset_path and path.is_file():
+        fingerprint.update(_file_fingerprint(path))
+    return fingerprint
+
+
+def resolved(config: JobConfig) -> dict[str, Any]:
+    """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
+    values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
+    values[run_record.HORIZON_KEY] = lr_total_steps(config)
+    return values
+
+
+def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
+    return run_record.make_record(resolved(config), data_fingerprint(config, dataset))
+
+
+# --- which checkpoint, and may it be resumed --------------------------------------------------------------
+def checkpoint_to_resume(config: JobConfig) -> Path | None:
+    """The checkpoint this config resumes from (None: a fresh start); its choice of parts is checked too."""
+    ckpt = config.checkpoint
+    for name in ckpt.exclude_from_loading:
+        if name not in layout.PARTS:
+            raise ConfigError(f"config checkpoint.exclude_from_loading has {name!r}; valid parts: "
+                              f"{', '.join(layout.PARTS)}")
+    if not ckpt.enable:
+        if ckpt.initial_load_path or ckpt.load_step >= 0:
+            raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
+        return None
+    return layout.resolve_checkpoint(Path(config.job.dump_folder) / ckpt.folder, ckpt.load_step,
+                                     ckpt.initial_load_path)
+
+
+def vet_for(config: JobConfig, path: Path, record: dict[str, Any], world_size: int | None,
+            device: torch.device = torch.device("cpu")) -> Vetted:
+    """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
+    ``world_size`` None: not known yet (the launcher of one node among several)."""
+    rule = plan_class(config)
+    return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
+               record=record, allowed=config.checkpoint.allow_config_change, device=device)
+
+
+# --- loading, and how the streams start ---------------------------------------------------------------------
+@dataclass
+class StreamPlan:
+    """How the global streams start at the first resumed step."""
+
+    mode: str  # "fresh" | "restore" | "host_only" | "reseed"
+    step: int = 0
+
+
+def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManager, train_state: TrainState,
+           sampler: Any, log: Callable[[str], None]) -> tuple[StreamPlan, Path | None]:
+    """Load the checkpoint to start from, if any; returns how the random streams start and the checkpoint loaded
+    (None: a fresh start). ``log`` prints on rank 0."""
+    path = checkpoint_to_resume(config)
+    if path is None:
+        return StreamPlan("fresh"), None
+    world = plan.world
+    vetted = vet_for(config, path, checkpointer.run_record, world.world_size, world.device)
+    for line in vetted.warnings:
+        log(line)
+    ckpt = config.checkpoint
+    keep_loader = plan.loads_dataloader and not vetted.reseed
+    result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
+                                                     *([] if keep_loader else [layout.DATALOADER])])
+    last_step = config.training.steps
+    layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
+                                                  if checkpointer.should_save(step, last_step)])
+    plan.position_data(sampler, train_state.step, vetted.info.saved_world_size, vetted.reseed)
+    if not plan.carries_streams:  # each step seeds its own streams
+        return StreamPlan("fresh"), path
+    # A missing train state (RNG) is the stream policy's to judge, below.
+    others = [name for name in result.missing if not name.startswith(layout.TRAIN_STATE)]
+    if others:
+        log(f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
+    no_rng = any(key == layout.TRAIN_STATE or key.startswith(layout.TRAIN_STATE + ".") for key in result.missing)
+    return plan_streams(config, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
+
+
+def plan_streams(config: JobConfig, train_state: TrainState, path: Path, reseeded: bool, no_rng: bool,
+                 world_size: int, warn: Callable[[str], None]) -> StreamPlan:
+    """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
+    ckpt = config.checkpoint
+    if not ckpt.restore_rng or layout.TRAIN_STATE in ckpt.exclude_from_loading:
+        return StreamPlan("fresh")
+    step = train_state.step
+    if reseeded:
+        warn(f"WARNING: resuming {path} with {world_size} processes instead of the ones that saved it: "
+             "model and optimizer are resharded, random streams and data order reseeded; this run is no longer "
+             "exact")
+        return StreamPlan("reseed", step)
+    if no_rng:
+        if ckpt.strict_rng:
+            raise CheckpointError(
+                f"checkpoint {path} holds no RNG state (saved by an older version or another tool) and "
+                "checkpoint.strict_rng is set; drop --checkpoint.strict_rng to resume inexactly"
+            )
+        warn(f"WARNING: checkpoint {path} holds no RNG state (saved by an older version or another tool): "
+             "random streams are reseeded and this run is not exact; --checkpoint.strict_rng makes this an error")
+        return StreamPlan("reseed", step)
+    saved_device = train_state.loaded["device_type"] if train_state.loaded else train_state.device.type
+    if saved_device != train_state.device.type:
+        if not ckpt.allow_device_type_change:
+            raise CheckpointError(
+                f"checkpoint {path} was saved on {saved_device} and this run is on "
+                f"{train_state.device.type}: the device random stream cannot be restored here; pass "
+                "--checkpoint.allow_device_type_change to restore the CPU, NumPy and Python streams (inexact)"
+            )
+        warn(f"WARNING: checkpoint {path} was saved on {saved_device}, this run is on "
+             f"{train_state.device.type}: CPU, NumPy and Python streams restored, the device stream reseeded; "
+             "this run is not exact")
+        return StreamPlan("host_only", step)
+    return StreamPlan("restore", step)
+
+
+def start_streams(plan: StreamPlan, train_state: TrainState, seed: int, rank: int) -> None:
+    """Set the global streams; call it last before the first step (after every start-up draw)."""
+    if plan.mode == "restore":
+        train_state.restore_rng()
+        return
+    if plan.mode == "fresh":
+        seed_training_streams(seed, rank)
+        return
+    seed_training_streams(stream_seed("reseed", seed, plan.step), rank)
+    if plan.mode == "host_only":
+        train_state.restore_rng(include_device=False)
