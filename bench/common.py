@@ -84,7 +84,7 @@ def spread(values: list[float]) -> str:
 
 
 def table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
-    """A Markdown table (pasted as is into the README), then the machine."""
+    """A Markdown table (pasted as is into docs/performance.md), then the machine."""
     print(f"\n{title}\n")
     print("| " + " | ".join(headers) + " |")
     print("| " + " | ".join("---" for _ in headers) + " |")

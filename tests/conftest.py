@@ -1,43 +1,32 @@
-import sys
+"""Where a test lives says what it is: tests/unit runs in this process (the fast subset, ``-m "not e2e"``),
+tests/e2e starts training processes, several processes or installs the package (marked e2e here, by folder);
+tests/support holds what both import."""
+
+from __future__ import annotations
+
 from pathlib import Path
 
-# The tests import their launch helpers as a plain module.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pytest
+
+from tests.support.token_data import write_jsonl, write_token_file
+
+TESTS = Path(__file__).resolve().parent
 
 
-import shutil  # noqa: E402
-
-import pytest  # noqa: E402
-
-from launch import STEP2, train  # noqa: E402
-
-
-# The uninterrupted debug runs (run A of the promise) that several test files compare against; read-only,
-# so one run per session serves them all.
-@pytest.fixture(scope="session")
-def llama_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("llama_A")
-    train(dump)
-    return dump
-
-
-@pytest.fixture(scope="session")
-def llama_uninterrupted_two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dump = tmp_path_factory.mktemp("llama_A_2proc")
-    train(dump, nproc=2)
-    return dump
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder == "e2e":
+            item.add_marker(pytest.mark.e2e)
+        elif folder != "unit":
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in tests/unit or tests/e2e")
+        elif item.get_closest_marker("e2e"):
+            raise pytest.UsageError(f"{item.nodeid} is marked e2e: move it to tests/e2e")
 
 
 @pytest.fixture(scope="session")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A user's dump folder: loss log and a complete checkpoint at step 2 from one process."""
-    dump = tmp_path_factory.mktemp("saved")
-    train(dump, "--training.steps", "2", *STEP2)
-    return dump
-
-
-@pytest.fixture
-def user_dump(saved: Path, tmp_path: Path) -> Path:
-    dump = tmp_path / "dump"
-    shutil.copytree(saved, dump)
-    return dump
+def token_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A .bin token file and a .jsonl file of documents (tests/support/token_data.py); read-only."""
+    folder = tmp_path_factory.mktemp("token_files")
+    return {"bin": write_token_file(folder / "train.bin"), "jsonl": write_jsonl(folder / "docs.jsonl")}

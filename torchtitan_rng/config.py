@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 import sys
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,163 +31,173 @@ COMPILE_COMPONENTS = ("model", "loss")
 _PERTURB_RNG = re.compile(r"^(?P<stream>[A-Za-z_][\w.-]*):(?P<rank>\d+):(?P<step>\d+)$")
 
 
+def _key(default: Any, meaning: str, *, choices: tuple[str, ...] = ()) -> Any:
+    """A config key's default and meaning (and, for a string, its valid values): ``--help`` and the generated
+    docs/config.md print them, and validate() checks the choices."""
+    metadata = {"help": meaning, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class Job:
-    config_file: str = ""
-    dump_folder: str = "./outputs"
-    description: str = ""
-    # A module imported before the model is looked up; it may register its own train spec (see README).
-    custom_module: str = ""
+    config_file: str = _key("", "the TOML file the other values come from (CLI overrides it)")
+    dump_folder: str = _key("./outputs", "where the checkpoints, the loss log and validation pictures go; a relative "
+                            "path means the directory you run from")
+    description: str = _key("", "free text, printed first when the run starts and kept in each checkpoint's "
+                            "run.json")
+    custom_module: str = _key("", "a module imported before model.name is looked up; it may register its own "
+                              "train spec (register_train_spec): see docs/api.md")
 
 
 @dataclass
 class Model:
-    name: str = "llama"
-    flavor: str = "debug"
-    # LLM vocabulary; 0 or -1: derived from the data (largest token id + 1 of a .bin, 256 for byte-level text).
-    vocab_size: int = 0
+    name: str = _key("llama", "the registered train spec: llama (an LLM), flux (a diffusion model), or one of "
+                     "job.custom_module")
+    flavor: str = _key("debug", "the model's size, as its train spec names them (llama: debug, small, bench; "
+                       "flux: debug, small)")
+    vocab_size: int = _key(0, "LLM vocabulary; 0 or -1: derived from the data (largest token id + 1 of a .bin, 256 "
+                           "for byte-level text); set: data that does not fit is refused at start")
 
 
 @dataclass
 class Training:
-    steps: int = 20
-    local_batch_size: int = 8
-    seq_len: int = 64
-    max_norm: float = 1.0
-    # LLM data: a .bin token file (flat little-endian uint16), a .jsonl ("text" per line) or a UTF-8 text
-    # file; empty means the text that ships with Python itself.
-    dataset_path: str = ""
-    # Flux: probability of replacing a caption by the empty prompt (classifier-free guidance).
-    classifier_free_guidance_prob: float = 0.1
-    # Flux: "uniform" or "logit_normal" timesteps.
-    timestep_sampling: str = "logit_normal"
-    image_size: int = 16
-    # Samples per optimizer step over all data-parallel ranks, in micro-batches of local_batch_size; -1:
-    # local_batch_size x data-parallel size. Ordinary data parallelism accumulates gradients over
-    # global / (local x dp) micro-batches; parallelism.world_size_invariant splits them its own way.
-    global_batch_size: int = -1
-    # "bfloat16": bf16 compute (FSDP2 parameters with several processes, autocast with one).
-    mixed_precision_param: str = "float32"
-    # The dtype gradients are reduced in across ranks (FSDP2).
-    mixed_precision_reduce: str = "float32"
+    steps: int = _key(20, "the last step of this run (a resumed run continues to it)")
+    local_batch_size: int = _key(8, "samples per micro-batch per process")
+    seq_len: int = _key(64, "LLM: tokens per sample")
+    max_norm: float = _key(1.0, "gradient clipping by total norm; 0: off")
+    dataset_path: str = _key("", "LLM data: a .bin token file (flat little-endian uint16), a .jsonl file (a "
+                             "\"text\" per line) or UTF-8 text; empty: text that ships with Python (docs/data.md)")
+    classifier_free_guidance_prob: float = _key(0.1, "Flux: probability that a caption is replaced by the empty "
+                                                "prompt (classifier-free guidance), in [0, 1]")
+    timestep_sampling: str = _key("logit_normal", "Flux: how each step draws its diffusion timesteps",
+                                  choices=("uniform", "logit_normal"))
+    image_size: int = _key(16, "Flux: image side in pixels")
+    global_batch_size: int = _key(-1, "samples per optimizer step over all processes, in micro-batches of "
+                                  "local_batch_size; -1: local_batch_size x processes (no accumulation); "
+                                  "gradients accumulate over global / (local x processes) micro-batches")
+    mixed_precision_param: str = _key("float32", "compute dtype: bfloat16 gathers FSDP2 parameters in bf16 with "
+                                      "several processes, or autocasts with one (and in the world-size-invariant "
+                                      "mode)", choices=("float32", "bfloat16"))
+    mixed_precision_reduce: str = _key("float32", "the dtype gradients are reduced in across processes (FSDP2)",
+                                       choices=("float32",))
 
 
 @dataclass
 class Compile:
-    enable: bool = False
-    # What to compile: "model" (each transformer block) and "loss" (the loss around the model call).
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    enable: bool = _key(False, "torch.compile the components below (static shapes)")
+    components: list[str] = _key(["model", "loss"], "what to compile, any of: model (each transformer block), "
+                                 "loss (the loss function around the model call)")
 
 
 @dataclass
 class ActivationCheckpoint:
-    # "none", "full" (every block) or "selective" (see selective_ac_option).
-    mode: str = "none"
-    # "op": save matmul outputs and recompute the rest in every block; an integer N: every Nth block in full.
-    selective_ac_option: str = "op"
+    mode: str = _key("none", "recompute activations in the backward: full (every block) or selective (see "
+                     "selective_ac_option)", choices=("none", "full", "selective"))
+    selective_ac_option: str = _key("op", "selective mode: op (save matmul outputs, recompute the rest of every "
+                                    "block) or an integer N (every Nth block in full)")
 
 
 @dataclass
 class Data:
-    num_workers: int = 0
-    # Samples per epoch (0 = everything the dataset has); small values make debug runs cross epochs.
-    num_samples: int = 0
-    prefetch_factor: int = 2
-    # Worker snapshots (they carry form-2 worker RNGs); 0 = every checkpoint.interval steps, so checkpoints
-    # land on one and a stop between two replays at most interval-1 steps of batches on resume.
-    snapshot_every_n_steps: int = 0
-    # Carry the global RNGs that a dataset uses inside worker processes across a resume (form 2).
-    capture_worker_rng: bool = True
-    # Form 2 and a changed num_workers cannot resume exactly; "error" refuses, "warn" continues inexactly.
-    on_num_workers_change: str = "error"
-    # LLM: read dataset_path front to back (no index over the file) through a shuffle buffer of
-    # shuffle_buffer windows; position and buffer contents are saved with the checkpoint.
-    streaming: bool = False
-    shuffle_buffer: int = 256
+    num_workers: int = _key(0, "dataloader worker processes per process")
+    num_samples: int = _key(0, "samples per epoch; 0: all the dataset has (small values make debug runs cross "
+                            "epochs)")
+    prefetch_factor: int = _key(2, "batches each worker prepares ahead")
+    snapshot_every_n_steps: int = _key(0, "steps between two dataloader snapshots (they carry the workers' state "
+                                       "and RNGs); 0: every checkpoint.interval steps, so interval checkpoints land "
+                                       "on one and a stop between two replays at most interval-1 steps of batches")
+    capture_worker_rng: bool = _key(True, "carry the global RNGs a dataset uses inside worker processes across a "
+                                    "resume (form 2 of docs/data.md)")
+    on_num_workers_change: str = _key("error", "a form-2 dataset resumed with another num_workers cannot be exact: "
+                                      "error refuses, warn continues inexactly", choices=("error", "warn"))
+    streaming: bool = _key(False, "LLM: read dataset_path front to back (no index over the file) through a "
+                           "shuffle buffer; the file position and buffers are saved with the checkpoint")
+    shuffle_buffer: int = _key(256, "streaming: windows each stream holds and draws from")
 
 
 @dataclass
 class Optimizer:
-    name: str = "AdamW"
-    lr: float = 1e-3
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    name: str = _key("AdamW", "the optimizer", choices=("AdamW", "Adam", "SGD"))
+    lr: float = _key(1e-3, "peak learning rate (the schedule scales it)")
+    eps: float = _key(1e-8, "Adam(W): epsilon")
+    weight_decay: float = _key(0.1, "weight decay")
+    beta1: float = _key(0.9, "Adam(W): first-moment decay")
+    beta2: float = _key(0.95, "Adam(W): second-moment decay")
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 2
-    # The step count the decay is planned for; 0 means training.steps. Pin it to stop early and resume.
-    total_steps: int = 0
-    decay_type: str = "linear"
-    min_lr_factor: float = 0.0
+    warmup_steps: int = _key(2, "steps of linear warmup")
+    total_steps: int = _key(0, "the step count the decay is planned for; 0: training.steps. Pin it to stop early "
+                            "and resume on the same curve")
+    decay_type: str = _key("linear", "the decay after warmup", choices=("linear", "cosine", "constant"))
+    min_lr_factor: float = _key(0.0, "the lr at the end of the decay, as a fraction of optimizer.lr")
 
 
 @dataclass
 class Checkpoint:
-    enable: bool = False
-    folder: str = "checkpoint"
-    interval: int = 10
-    # Load this step instead of the newest complete checkpoint (-1: newest).
-    load_step: int = -1
-    # Keep only the newest k complete checkpoints (0: keep all).
-    keep_latest_k: int = 0
-    # A checkpoint folder (step-N) or a folder of them, used when dump_folder has no checkpoint yet.
-    initial_load_path: str = ""
-    # Parts not to load: any of model, optimizer, lr_scheduler, dataloader, train_state.
-    exclude_from_loading: list[str] = field(default_factory=list)
-    # "disabled" or "async" (the loop goes on while DCP writes).
-    async_mode: str = "disabled"
-    # Restore the saved random streams on resume; switch off only to see what breaks without it.
-    restore_rng: bool = True
-    # What to do when resuming with another number of processes: "error" or "reseed" (inexact).
-    on_world_size_change: str = "error"
-    # Refuse checkpoints that carry no RNG state instead of loading them with a warning.
-    strict_rng: bool = False
-    # Restore the CPU/NumPy/Python streams from a checkpoint saved on another device type.
-    allow_device_type_change: bool = False
-    # Keys that may differ from the checkpoint's run record (a WARNING each); any other change is refused.
-    allow_config_change: list[str] = field(default_factory=list)
+    enable: bool = _key(False, "save checkpoints, and resume from the newest complete one at start (a stop signal "
+                        "saves even when off)")
+    folder: str = _key("checkpoint", "the checkpoint folder, under job.dump_folder")
+    interval: int = _key(10, "save every N steps (and at the last step)")
+    load_step: int = _key(-1, "resume from this step instead of the newest complete checkpoint; -1: newest")
+    keep_latest_k: int = _key(0, "keep only the newest k complete checkpoints; 0: all")
+    initial_load_path: str = _key("", "a step-N folder, or a folder of them, to start from when the dump folder has "
+                                  "no checkpoint yet")
+    exclude_from_loading: list[str] = _key([], "checkpoint parts not to load, any of: model, optimizer, "
+                                           "lr_scheduler, dataloader, train_state")
+    async_mode: str = _key("disabled", "async: the loop goes on while the save is written in the background "
+                           "(the last step's save stays synchronous)", choices=("disabled", "async"))
+    restore_rng: bool = _key(True, "restore the saved random streams on resume; switch off only to see what breaks "
+                             "without it")
+    on_world_size_change: str = _key("error", "resuming with another number of processes: error refuses, reseed "
+                                     "continues inexactly", choices=("error", "reseed"))
+    strict_rng: bool = _key(False, "refuse a checkpoint that holds no RNG state instead of loading it with a "
+                            "WARNING")
+    allow_device_type_change: bool = _key(False, "resume a checkpoint saved on another device type: the CPU, NumPy "
+                                          "and Python streams are restored, the device stream reseeded (inexact)")
+    allow_config_change: list[str] = _key([], "keys (section.key) that may differ from the checkpoint's run.json, "
+                                          "a WARNING each; any other trajectory change is refused")
 
 
 @dataclass
 class Metrics:
-    # torchtitan's default: the host reads the steps' values (a device sync) once per 10 steps.
-    log_freq: int = 10
+    log_freq: int = _key(10, "every N steps: the progress line and a loss-log write, when the host reads the "
+                         "steps' values (also at every checkpoint, a stop and the last step)")
 
 
 @dataclass
 class Parallelism:
-    # Processes that shard the model (FSDP2); -1 means all of them.
-    data_parallel_shard_degree: int = -1
-    # The same bits at any power-of-two process count: micro-batches by global position, random streams per
-    # micro-batch, gradients summed in one fixed tree, parameters replicated (README: replay on one machine).
-    world_size_invariant: bool = False
+    data_parallel_shard_degree: int = _key(-1, "processes that shard the model (FSDP2): -1 or the process count, "
+                                           "both meaning all of them")
+    world_size_invariant: bool = _key(False, "the same bits at any power-of-two process count: micro-batches by "
+                                      "global position, random streams per micro-batch, gradients summed in one "
+                                      "fixed tree, parameters replicated (docs/replay.md)")
 
 
 @dataclass
 class Validation:
-    enable: bool = False
-    freq: int = 5
+    enable: bool = _key(False, "run the train spec's validation pass (Flux: val_loss and a picture grid)")
+    freq: int = _key(5, "validate every N steps")
 
 
 @dataclass
 class Debug:
-    seed: int = 0
-    deterministic: bool = False
-    # Write a fingerprint of every random stream, per rank, into each loss-log line.
-    rng_fingerprint: bool = False
-    # Fault injection for testing diagnosis: "STREAM:RANK:STEP" disturbs one random stream of one rank on
-    # entering one step (STREAM: one of RNG_STREAMS or registered.NAME); empty: off.
-    perturb_rng: str = ""
+    seed: int = _key(0, "the one seed every random stream of the run derives from (docs/randomness.md)")
+    deterministic: bool = _key(False, "torch's deterministic algorithms (and a fixed cuBLAS workspace)")
+    rng_fingerprint: bool = _key(False, "write a fingerprint of every random stream, per rank, into each "
+                                 "loss-log line (docs/diagnosis.md)")
+    perturb_rng: str = _key("", "fault injection STREAM:RANK:STEP: one extra draw from one stream of one rank "
+                            "entering one step (STREAM: " + ", ".join(RNG_STREAMS) + " or registered.NAME); "
+                            "empty: off")
 
 
 @dataclass
 class Signals:
-    # Signals that make all ranks checkpoint at the next step boundary and exit 0.
-    checkpoint_on: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1"], "signals that make every rank checkpoint at the next "
+                                    "step boundary and exit 0 (docs/clusters.md)")
 
 
 @dataclass
@@ -208,18 +219,6 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     signals: Signals = field(default_factory=Signals)
 
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "training.timestep_sampling": ("uniform", "logit_normal"),
-    "training.mixed_precision_param": ("float32", "bfloat16"),
-    "training.mixed_precision_reduce": ("float32",),
-    "activation_checkpoint.mode": ("none", "full", "selective"),
-    "data.on_num_workers_change": ("error", "warn"),
-    "optimizer.name": ("AdamW", "Adam", "SGD"),
-    "lr_scheduler.decay_type": ("linear", "cosine", "constant"),
-    "checkpoint.async_mode": ("disabled", "async"),
-    "checkpoint.on_world_size_change": ("error", "reseed"),
-}
 
 # (key, lowest allowed value) for numbers that must not be below a bound.
 _MINIMUMS: dict[str, float] = {
@@ -246,6 +245,36 @@ _MINIMUMS: dict[str, float] = {
 
 def _section_fields(section: Any) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section)}
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One config key as ``--help`` and docs/config.md show it."""
+
+    dotted: str
+    type_name: str
+    default: Any
+    choices: tuple[str, ...]
+    minimum: float | None
+    meaning: str
+
+
+def describe_keys(schema: type = JobConfig) -> list[KeyInfo]:
+    """Every key of the schema, section by section, from the fields' metadata (``_key``); a key declared
+    without one has an empty meaning (a test refuses that)."""
+    keys = []
+    for section in dataclasses.fields(schema):
+        defaults = section.default_factory()
+        hints = typing.get_type_hints(type(defaults))
+        for name, spec in _section_fields(defaults).items():
+            dotted = f"{section.name}.{name}"
+            type_name = "list of str" if typing.get_origin(hints[name]) is list else hints[name].__name__
+            keys.append(KeyInfo(dotted, type_name, getattr(defaults, name), tuple(spec.metadata.get("choices", ())),
+                                _MINIMUMS.get(dotted), spec.metadata.get("help", "")))
+    return keys
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {key.dotted: key.choices for key in describe_keys() if key.choices}
 
 
 def _convert(dotted: str, raw: Any, annotation: Any, from_cli: bool) -> Any:
@@ -424,19 +453,20 @@ def parse_args(argv: list[str]) -> JobConfig:
 
 
 def usage(prog: str) -> str:
-    """What ``--help`` prints: how overrides are written, then every key with its type and default."""
+    """What ``--help`` prints: how overrides are written, then every key with its type, default and meaning."""
     lines = [f"usage: {prog} --job.config_file FILE [--section.key VALUE ...]", "",
              "Values come from the defaults below, then the TOML file, then the command line (last wins).",
-             "A bare --section.key sets a true/false key to true; lists are comma-separated.", ""]
-    for section in dataclasses.fields(JobConfig):
-        defaults = section.default_factory()
-        hints = typing.get_type_hints(type(defaults))
-        lines.append(f"[{section.name}]")
-        for key in _section_fields(defaults):
-            dotted = f"{section.name}.{key}"
-            type_name = "list of str" if typing.get_origin(hints[key]) is list else hints[key].__name__
-            choices = f", one of {', '.join(_CHOICES[dotted])}" if dotted in _CHOICES else ""
-            lines.append(f"  --{dotted} ({type_name}{choices}; default {json.dumps(getattr(defaults, key))})")
+             "A bare --section.key sets a true/false key to true; lists are comma-separated.",
+             "The same reference, as a page: docs/config.md.", ""]
+    section = ""
+    for key in describe_keys():
+        if key.dotted.split(".")[0] != section:
+            section = key.dotted.split(".")[0]
+            lines.append(f"[{section}]")
+        choices = f", one of {', '.join(key.choices)}" if key.choices else ""
+        minimum = f" (at least {key.minimum:g})" if key.minimum is not None else ""
+        lines.append(f"  --{key.dotted} ({key.type_name}{choices}; default {json.dumps(key.default)})")
+        lines.extend(f"      {line}" for line in textwrap.wrap(key.meaning + minimum, 100))
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ Two kinds of stream (the reasoning: docs/design.md, "Where randomness lives"):
 Every derived stream of this project is a row of ``STREAMS`` below (purpose, root seed, shared or per
 rank, what it feeds) and is drawn by its purpose with :func:`stream_seed`, :func:`stream_generator` or
 :func:`frozen_generator`; an unknown purpose is an error. The root is the run's seed (``debug.seed``) or
-``FROZEN_SEED`` for what must not change with the seed. docs/design.md shows the same table (a test keeps
+``FROZEN_SEED`` for what must not change with the seed. docs/randomness.md shows the same table (a test keeps
 them equal). A user's own purposes (``SampleRandomDataset(seed, "my-purpose")``, :func:`derived_generator`)
 are free-form and need no row.
 """

@@ -7,7 +7,7 @@ down the process group. The checkpointer owns the save policy; the loop only rep
 
 A checkpoint signal (``signals.checkpoint_on``, installed by the entry ``train.py``) only sets a flag; the
 ranks agree on it with a vote that never waits (``distributed.StopVote``), save at the same step and exit 0
-(see launch/signals.py). Between sync points (every ``metrics.log_freq`` steps, each checkpoint and a
+(see signals.py). Between sync points (every ``metrics.log_freq`` steps, each checkpoint and a
 stop) a step reads nothing from the device: the loss log queues device tensors and writes them there.
 """
 
@@ -27,7 +27,7 @@ from torchtitan_rng.config import JobConfig, as_flags
 from torchtitan_rng.data.dataloader import shutdown_workers
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.distributed import StopVote, World, init_distributed, on_rank_zero, teardown
-from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.launch import preflight, run_lock
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
@@ -46,7 +46,7 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.
 
 def _on_rank_zero(world: World, check: Callable[[], object], elsewhere: Exception) -> None:
     """Run ``check`` on rank 0 only; when it refuses, every rank raises (rank 0 with its own message)."""
-    on_rank_zero(check, elsewhere, world.device, (run_lock.RunLockError, CheckpointError, ConfigError))
+    on_rank_zero(check, elsewhere, world.device, (TorchtitanRngError,))
 
 
 def _take_run_lock(world: World, dump_folder: Path) -> None:

@@ -89,6 +89,10 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} is damaged (not the JSON this trainer "
                                "writes); pick another checkpoint with load_step=")
+    if not isinstance(record.get("format", 1), int) or record.get("format", 1) > _FORMAT:
+        raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} has format {record.get('format')!r}, newer "
+                               f"than this torchtitan_rng reads ({_FORMAT}); resume it with the version that saved it "
+                               f"({(record.get('versions') or {}).get('torchtitan_rng', 'unknown')})")
     return record
 
 

@@ -13,6 +13,7 @@ import torch
 from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.checkpoint.layout import rank_key
 from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.rng import capture_global_rng, restore_global_rng
 
 STATE_FORMAT = 1
@@ -48,6 +49,10 @@ class TrainState:
         self.step = int(state_dict["step"])
         blob = state_dict.get(rank_key(self.rank))
         self.loaded = decode_state(blob) if blob is not None else None
+        if self.loaded is not None and self.loaded.get("format", STATE_FORMAT) > STATE_FORMAT:
+            raise CheckpointError(f"the checkpoint's train state of rank {self.rank} has format "
+                                  f"{self.loaded['format']}, newer than this torchtitan_rng reads ({STATE_FORMAT}); "
+                                  "resume it with the version that saved it")
 
     def restore_rng(self, *, include_device: bool = True) -> bool:
         """Restore the loaded streams of this rank; False when nothing was loaded."""

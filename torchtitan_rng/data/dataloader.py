@@ -169,7 +169,7 @@ class ResumableDataLoader(StatefulDataLoader):
             if self.on_num_workers_change == "error":
                 raise ConfigError(
                     f"{reason}; resume with num_workers={saved_workers}, derive the dataset's randomness from "
-                    "sample keys (README: making your dataset resume exactly), or pass "
+                    "sample keys (docs/data.md: making your dataset resume exactly), or pass "
                     'on_num_workers_change="warn" to continue inexactly'
                 )
             if self.dp_rank == 0:

@@ -1,0 +1,57 @@
+"""Bad input on the command line — config keys and values, a missing config file, a loss log that is not
+JSONL: one line saying what is wrong and what to do, exit 2, no traceback, nothing of the user's touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.checks import assert_refused, snapshot
+from tests.support.launch import compare, train
+
+
+# --- configuration (run_train.sh: the launcher refuses before any rank starts) ----------------------------
+
+CONFIG_CASES = {
+    "unknown key": (("--training.stepz", "3"), ("unknown config key 'training.stepz'", "valid keys in [training]")),
+    "unknown section": (("--trainin.steps", "3"), ("unknown config section 'trainin'", "valid sections")),
+    "wrong type": (("--training.steps", "many"), ("training.steps", "expected an integer")),
+    "steps <= 0": (("--training.steps", "0"), ("training.steps = 0 is out of range", ">= 1")),
+    "interval <= 0": (("--checkpoint.interval", "-5"), ("checkpoint.interval = -5 is out of range",)),
+    "keep 1 while async": (("--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", "async"),
+                           ("keep_latest_k = 1 cannot be used", "async")),
+    "unknown signal": (("--signals.checkpoint_on", "SIGTERM,SIGKILL"), ("signals.checkpoint_on has 'SIGKILL'",)),
+    "load_step missing": (("--checkpoint.enable", "--checkpoint.load_step", "7"),
+                          ("checkpoint.load_step 7 not found", "complete checkpoints there: 2")),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_bad_config_is_one_line(user_dump: Path, case: str) -> None:
+    overrides, fragments = CONFIG_CASES[case]
+    before = snapshot(user_dump)
+    assert_refused(train(user_dump, *overrides, check=False), *fragments)
+    assert snapshot(user_dump) == before
+
+
+def test_missing_config_file(user_dump: Path) -> None:
+    before = snapshot(user_dump)
+    assert_refused(train(user_dump, config="does_not_exist", check=False), "does_not_exist.toml' does not exist")
+    assert snapshot(user_dump) == before
+
+
+def test_bad_config_through_the_launcher(user_dump: Path) -> None:
+    """The same refusal from the launcher, before torchrun starts any rank."""
+    before = snapshot(user_dump)
+    proc = train(user_dump, "--training.steps", "0", nproc=2, check=False)
+    assert_refused(proc, "training.steps = 0 is out of range")
+    assert "rank" not in proc.stdout.lower() and snapshot(user_dump) == before
+
+
+def test_compare_losses_on_a_log_that_is_not_jsonl(tmp_path: Path, saved: Path) -> None:
+    bad = tmp_path / "loss_log.jsonl"
+    bad.write_text('{"step": 1, "loss": 2.5}\nnot json at all\n')
+    before = bad.read_bytes()
+    assert_refused(compare(saved, bad), f"{bad}:2: not a loss-log line")
+    assert bad.read_bytes() == before

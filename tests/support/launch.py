@@ -1,0 +1,114 @@
+"""Launch real training runs (``python -m torchtitan_rng.train`` for one process, the launcher/torchrun for
+several, run_train.sh where a test asks for it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from torchtitan_rng.launch.runs import run_training, training_command
+
+REPO = Path(__file__).resolve().parents[2]
+# Checkpoints every 2 steps: the bad-input tests' runs save at step 2. The horizon is pinned: their resumes
+# go to step 3 or 4 on the saved run's learning-rate curve (a resume may not move it).
+STEP2 = ("--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "4")
+# The runs here log every 1000 steps (quiet output), so between checkpoints the loss log is written and a stop
+# signal heeded only at the end. A test that watches the log grow, or signals a run and expects it to stop at
+# the next step, adds this.
+EVERY_STEP = ("--metrics.log_freq", "1")
+
+
+def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every process a test starts. The repository is on PYTHONPATH (after any folders
+    ``extra`` puts there), so the processes import the test helpers as ``tests.support...`` wherever they run:
+    the custom modules the trainer loads and the scripts started with ``-m``."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(extra or {})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
+    return env
+
+
+def start(dump: Path, *overrides: str, nproc: int = 1, config: str = "llama_debug",
+          env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
+    """Like :func:`train` but returns at once; the Popen's pid is the trainer (or, for several processes,
+    the launcher: the torchrun parent), and with ``new_session`` also its process group's id.
+    Output is captured as text."""
+    args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
+    config_file = REPO / "train_configs" / f"{config}.toml"
+    return subprocess.Popen(training_command(config_file, args, nproc), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=run_env(env), start_new_session=new_session)
+
+
+def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "llama_debug",
+          env: dict[str, str] | None = None, check: bool = True, timeout: float = 600,
+          via_run_train: bool = False) -> subprocess.CompletedProcess:
+    """One training run into ``dump``; raises with its output when ``check`` and it exits non-zero.
+
+    ``config``: a name in train_configs/ or the Path of a TOML file. ``via_run_train``: through
+    run_train.sh (NGPU=nproc, this interpreter) instead of the package's own launch.
+    """
+    args = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1000", *overrides]
+    config_file = config if isinstance(config, Path) else REPO / "train_configs" / f"{config}.toml"
+    if via_run_train:
+        script_env = {"PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config_file), **(env or {})}
+        proc = subprocess.run(["bash", str(REPO / "run_train.sh"), *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout, env=run_env(script_env))
+    else:
+        proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def together(*jobs: Callable[[], Any]) -> list[Any]:
+    """Run independent jobs (each a training run or a chain of them, in its own folders) all at once; their
+    results in order, the first failure raised. A one-process run keeps one core busy: side by side they use
+    the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits.
+    Make their folders before (``tmp_path_factory.mktemp`` is not safe to call from several threads at once)."""
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    return [future.result() for future in futures]
+
+
+def compare(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_rng.compare_losses", str(a), str(b), *extra],
+        cwd=REPO, capture_output=True, text=True, env=run_env(),
+    )
+
+
+def verify(*args: str) -> subprocess.CompletedProcess:
+    """``python -m torchtitan_rng.verify_resume`` with ``args``."""
+    return subprocess.run([sys.executable, "-m", "torchtitan_rng.verify_resume", *args], cwd=REPO,
+                          capture_output=True, text=True, env=run_env(), timeout=600)
+
+
+def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc: int = 1,
+                    config: str | Path = "llama_debug", interval: int = 5, env: dict[str, str] | None = None,
+                    via_run_train: bool = False) -> None:
+    """Run B of the promise: stop at ``stop_at`` (lr horizon pinned to ``total``), then resume to ``total``."""
+    common = ["--checkpoint.enable", "--checkpoint.interval", str(interval), "--lr_scheduler.total_steps", str(total), *overrides]
+    run_as = {"nproc": nproc, "config": config, "env": env, "via_run_train": via_run_train}
+    train(dump, "--training.steps", str(stop_at), *common, **run_as)
+    train(dump, "--training.steps", str(total), *common, **run_as)
+
+
+def wait_for_log_lines(dump: Path, lines: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until ``dump``'s loss log holds ``lines`` lines (an observed event, not a guessed delay)."""
+    log = dump / "loss_log.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (log.is_file() and log.read_text().count("\n") >= lines):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before its log had {lines} lines\n"
+                                 f"{proc.stdout.read()[-3000:]}\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {lines} lines in {log} after {timeout} s")
+        time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
+
