@@ -2,7 +2,8 @@
 # import every MODULE, so that a fresh clone on a machine with only Python 3 works as the README says.
 #   PYTHON set     -> that one, or one line and exit 2 when it lacks a module;
 #   otherwise      -> .venv in the repository, else python or python3 on PATH, when it has them all;
-#   none has them  -> set up .venv on first use (torch, then this project with its test, plot, hf and lightning extras).
+#   none has them  -> set up .venv on first use (torch, then this project with its test, plot, hf, lightning
+#                     and torchtitan extras).
 # TORCHTITAN_RNG_TORCH: what that set-up asks pip for torch (default: torch==2.13.0, a CPU build here;
 # "torch>=2.11" where nvidia-smi sees a GPU). It is split into words, so pip options may follow.
 
@@ -43,7 +44,7 @@ _set_up_venv() {
   # shellcheck disable=SC2086  # word splitting lets TORCHTITAN_RNG_TORCH carry pip options
   "$venv/bin/python" -m pip install $torch_req >"$log" 2>&1 \
     || _fail "installing $torch_req into $venv failed (last line: $(tail -n 1 "$log")); see $log, or set TORCHTITAN_RNG_TORCH"
-  "$venv/bin/python" -m pip install -e "$REPO[test,plot,hf,lightning]" >>"$log" 2>&1 \
+  "$venv/bin/python" -m pip install -e "$REPO[test,plot,hf,lightning,torchtitan]" >>"$log" 2>&1 \
     || _fail "installing this project into $venv failed (last line: $(tail -n 1 "$log")); see $log"
 }
 
@@ -51,7 +52,7 @@ use_python() {
   if [ -n "${PYTHON:-}" ]; then
     command -v "$PYTHON" >/dev/null || _fail "PYTHON=$PYTHON is not a program; set it to a Python interpreter or unset it"
     _has_modules "$PYTHON" "$@" \
-      || _fail "PYTHON=$PYTHON cannot import $* (or is older than Python 3.10); install them there (pip install -e \"$REPO[test,plot,hf,lightning]\") or unset PYTHON to have $REPO/.venv set up"
+      || _fail "PYTHON=$PYTHON cannot import $* (or is older than Python 3.10); install them there (pip install -e \"$REPO[test,plot,hf,lightning,torchtitan]\") or unset PYTHON to have $REPO/.venv set up"
     return
   fi
   local candidate

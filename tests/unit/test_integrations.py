@@ -10,5 +10,5 @@ from tests.support.launch import REPO, run_env
 
 def test_importing_the_package_imports_no_framework() -> None:
     code = ("import sys, torchtitan_rng, torchtitan_rng.integrations, torchtitan_rng.integrations.loader; "
-            "assert not {'transformers', 'accelerate', 'lightning'} & set(sys.modules), sorted(sys.modules)")
+            "assert not {'transformers', 'accelerate', 'lightning', 'torchtitan'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, env=run_env())

@@ -1,4 +1,5 @@
-"""Exact resume inside trainers people already use: ``hf`` (transformers.Trainer) and ``lightning``.
+"""Exact resume inside trainers people already use: ``hf`` (transformers.Trainer), ``lightning`` and
+``torchtitan`` (torchtitan 0.3's own trainer, as an override).
 
 Importing this package imports neither framework; each submodule imports its own (extras ``hf`` and
 ``lightning``) and warns once when the installed version is not the one the integration was tested with.
@@ -10,7 +11,8 @@ import importlib.metadata
 import warnings
 
 # Distribution -> the release series the integrations are tested against (pyproject extras pin the same).
-TESTED_VERSIONS: dict[str, str] = {"transformers": "5.23", "accelerate": "1.15", "lightning": "2.6"}
+TESTED_VERSIONS: dict[str, str] = {"transformers": "5.23", "accelerate": "1.15", "lightning": "2.6",
+                                   "torchtitan": "0.3"}
 
 
 def check_tested_version(distribution: str) -> None:

@@ -1,0 +1,263 @@
+"""The torchtitan plug-in (``--override.imports torchtitan_rng.integrations.torchtitan.exact_resume``) with the
+real torchtitan 0.3 wheel: 2 processes on the CPU (gloo, FSDP2), a 2-layer llama with attention dropout.
+
+Every run trains the same 4 steps (or part of them); the losses are torchtitan's own, read from its
+TensorBoard events (float32, exact) into a loss log and compared bit for bit by ``compare_losses``:
+
+* plug-in, stopped at the end of ``--training.steps 2`` and resumed to 4 == uninterrupted, every step;
+* plug-in, SIGTERM to one rank: every rank saves a full checkpoint at the agreed step and exits 0; resumed to 4
+  == uninterrupted;
+* controls: stock torchtitan, stopped and resumed the same way, differs; the plug-in restoring the streams
+  inside the checkpoint load (before ``iter(dataloader)``) differs;
+* a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
+  torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
+* the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
+  the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
+  equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
+  wrapper's control: in-process, below).
+
+The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. The 10 runs go
+two at a time; the learning rate is flat after warm-up (``--lr_scheduler.decay_ratio 0``) because
+torchtitan builds its schedule on ``training.steps``, which the end-of-steps stop changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import REPO, compare, run_env, together
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+
+SUPPORT = REPO / "tests" / "support" / "integrations"
+PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
+STEPS, STOP = 4, 2
+STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
+
+
+def _command(assets: Path, dump: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_llama",
+            "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
+            # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
+            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
+            "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
+            "--training.steps", str(steps), *extra]
+
+
+def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
+    """The plug-in, and validation at steps 1, 2 and 4 (each builds a loader whose iter() draws from the global
+    generator). Stock runs do not validate: stock validation moves the training streams, so a stock run that
+    validates differs from the plug-in's runs from step 2 on, stopped or not."""
+    target = PLUGIN + (f"={json.dumps(options)}" if options else "")
+    return ("--override.imports", target, "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
+            "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"))
+
+
+def _env(assets: Path) -> dict[str, str]:
+    # torchtitan_run.py's folder is first on the ranks' sys.path: --module torchtitan_cpu is found there.
+    return run_env({"HF_HOME": str(assets / "hf_home"), "HF_DATASETS_OFFLINE": "1"})
+
+
+def _train(assets: Path, dump: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(assets, dump, steps, *extra), cwd=REPO, capture_output=True, text=True,
+                          env=_env(assets), timeout=400)
+    (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
+    _write_loss_log(dump)
+    return proc
+
+
+def _write_loss_log(dump: Path) -> None:
+    """torchtitan's logged losses (TensorBoard scalars, float32) as this project's loss log; a step logged by a
+    later run (after a resume) counts with its later value."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    losses: dict[int, float] = {}
+    for events in sorted((dump / "tb").rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(events)).Load():
+            for value in event.summary.value:
+                if value.tag.endswith("global_avg_loss"):
+                    losses[event.step] = value.tensor.float_val[0] if value.tensor.float_val else value.simple_value
+    (dump / "loss_log.jsonl").write_text("".join(json.dumps({"step": step, "loss": loss, "lr": 0.0}) + "\n"
+                                                 for step, loss in sorted(losses.items())))
+
+
+def _copy_checkpoint(source: Path, dump: Path, step: int) -> None:
+    """A new run folder holding only ``source``'s checkpoint at ``step`` and its loss log up to it."""
+    shutil.copytree(source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
+    shutil.copytree(source / "tb", dump / "tb")
+
+
+def _rank_pids(torchrun: subprocess.Popen) -> list[int]:
+    """The training processes torchrun started (its children), waiting until both exist."""
+    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children")
+    while True:
+        pids = [int(pid) for pid in children.read_text().split()]
+        if len(pids) == 2 or torchrun.poll() is not None:
+            return pids
+        time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
+
+
+def _signalled_run(assets: Path, dump: Path) -> subprocess.CompletedProcess:
+    """The plug-in run to 4 steps, SIGTERM to one rank as soon as training starts."""
+    out = dump.parent / f"{dump.name}.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets)), cwd=REPO,
+                                stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets))
+        try:
+            while "Training starts at step 1" not in out.read_text():
+                assert proc.poll() is None, f"the run ended before training started\n{out.read_text()[-4000:]}"
+                time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
+            pids = _rank_pids(proc)
+            assert len(pids) == 2, f"torchrun has children {pids}"
+            os.kill(pids[-1], signal.SIGTERM)  # one rank only: the ranks must agree on the stop
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = out.read_text()
+    assert proc.returncode == 0, f"the signalled run exited {proc.returncode}\n{text[-5000:]}"
+    _write_loss_log(dump)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, text, "")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of the file, two at a time (each has 2 processes; the CI machine has 2 cores)."""
+    from tests.support.integrations import torchtitan_cpu
+
+    root = tmp_path_factory.mktemp("torchtitan")
+    assets = root / "assets"
+    torchtitan_cpu.write_assets(assets)
+    names = ("full", "stopped", "stock", "signalled", "at_load", "stock_ckpt", "plugin_ckpt")
+    dumps = {name: root / name for name in names}
+    plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
+    outputs: dict[str, str] = {}
+
+    def keep(name: str, proc: subprocess.CompletedProcess) -> None:
+        outputs[name] = proc.stdout + proc.stderr
+
+    together(lambda: _train(assets, dumps["full"], STEPS, *plugin),
+             lambda: _train(assets, dumps["stopped"], STOP, *plugin))
+    # The plug-in's checkpoint at the stop, resumed by the restore-at-load control and by stock torchtitan.
+    _copy_checkpoint(dumps["stopped"], dumps["at_load"], STOP)
+    _copy_checkpoint(dumps["stopped"], dumps["plugin_ckpt"], STOP)
+    together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
+             lambda: _train(assets, dumps["stock"], STOP))
+    _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
+    together(lambda: _train(assets, dumps["stock"], STEPS),
+             lambda: keep("signalled", _signalled_run(assets, dumps["signalled"])))
+    together(lambda: _train(assets, dumps["signalled"], STEPS, *plugin),
+             # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
+             lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq", "49")))
+    together(lambda: keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin)),
+             lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)))
+    (root / "outputs.json").write_text(json.dumps(outputs))
+    return dumps
+
+
+def _outputs(runs: dict[str, Path]) -> dict[str, str]:
+    return json.loads((runs["full"].parent / "outputs.json").read_text())
+
+
+def test_stopped_at_end_of_steps_and_resumed_is_bitwise(runs: dict[str, Path]) -> None:
+    result = compare(runs["full"], runs["stopped"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(runs: dict[str, Path]) -> None:
+    from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
+
+    out = _outputs(runs)["signalled"]
+    stops = [line for line in out.splitlines() if "stop signal: saved a full checkpoint at step" in line]
+    assert len(stops) == 2, f"every rank reports one stop\n{out[-4000:]}"
+    step = int(stops[0].split("at step ")[1].split(";")[0])
+    assert all(f"at step {step};" in line for line in stops), stops
+    assert step < STEPS, f"the run stopped at its last step {step}: the signal was not heeded"
+    keys = set(SafeFileSystemReader(runs["signalled"] / "checkpoint" / f"step-{step}").read_metadata()
+               .state_dict_metadata)
+    assert {"torchtitan_rng.rank_0", "torchtitan_rng.rank_1"} <= keys
+    assert any(key.startswith("optimizer.") for key in keys), "the signal's checkpoint holds no optimizer state"
+    result = compare(runs["full"], runs["signalled"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) -> None:
+    for control in ("stock", "at_load"):
+        result = compare(runs["full"], runs[control])
+        assert result.returncode == 1, f"{control}: {result.stdout}{result.stderr}"
+        assert f"first differing step {STOP + 1}:" in result.stdout, (
+            f"{control} should first differ at the first resumed step\n{result.stdout}")
+
+
+def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:
+    outputs = _outputs(runs)
+    drift = [line for line in outputs["at_load"].splitlines() if "WARNING - torchtitan_rng: training." in line]
+    assert len(drift) == 1 and "training.gc_freq = 49 but the checkpoint was trained with 50" in drift[0], drift
+    # The end-of-steps resume changes training.steps, which the flat schedule does not depend on: no line.
+    assert "WARNING - torchtitan_rng" not in outputs["stopped"]
+
+
+def test_config_drift_names_the_lr_horizon_only_where_the_schedule_uses_it() -> None:
+    from torchtitan_rng.integrations.torchtitan import config_drift
+
+    saved = {"training.steps": 10, "lr_scheduler.decay_ratio": 0.8, "checkpoint.interval": 5, "training.seed": 1}
+    assert config_drift(saved, dict(saved)) == []
+    [line] = config_drift(saved, dict(saved, **{"training.steps": 20, "checkpoint.interval": 2}))
+    assert line.startswith("training.steps = 20 but the checkpoint was trained with 10")
+    flat = dict(saved, **{"lr_scheduler.decay_ratio": 0})
+    assert config_drift(flat, dict(flat, **{"training.steps": 20})) == []
+
+
+def test_validation_leaves_the_training_streams_where_it_found_them() -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from torchtitan_rng.integrations.torchtitan import _PreservedStreamsValidator
+    from torchtitan_rng.rng import capture_global_rng, fingerprint
+
+    class DrawingValidator:
+        freq = 2
+
+        def validate(self, model_parts: list, step: int) -> int:
+            torch.rand(1), np.random.rand(), random.random()
+            return step
+
+    cpu = torch.device("cpu")
+    before = fingerprint(capture_global_rng(cpu))
+    wrapped = _PreservedStreamsValidator(DrawingValidator(), cpu)
+    assert wrapped.validate([], 3) == 3 and wrapped.freq == 2
+    assert fingerprint(capture_global_rng(cpu)) == before
+    DrawingValidator().validate([], 3)  # control: unwrapped, the same validation moves every stream
+    assert fingerprint(capture_global_rng(cpu)) != before
+
+
+def test_stock_checkpoint_resumes_with_one_warning(runs: dict[str, Path]) -> None:
+    out = _outputs(runs)["stock_ckpt"]
+    warnings = [line for line in out.splitlines() if STREAMS_WARNING in line]
+    assert len(warnings) == 1, f"expected one WARNING line, got {warnings}"
+    assert "holds no random streams" in warnings[0] and "not exact" in warnings[0]
+    assert (runs["stock_ckpt"] / "checkpoint" / f"step-{STEPS}").is_dir()
+
+
+def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path]) -> None:
+    # Stock torchtitan loads what it asks for and ignores the streams: it resumes the plug-in's checkpoint
+    # exactly as it resumes its own.
+    assert STREAMS_WARNING not in _outputs(runs)["plugin_ckpt"]
+    result = compare(runs["stock"], runs["plugin_ckpt"])
+    assert result.returncode == 0, result.stdout + result.stderr

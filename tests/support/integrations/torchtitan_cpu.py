@@ -1,0 +1,208 @@
+"""Test support: torchtitan 0.3 on the CPU (gloo, FSDP2, 2 processes) and the tiny config the tests train.
+
+Everything here adapts torchtitan to a CPU-only test machine; none of it is part of the plug-in
+(``torchtitan_rng.integrations.torchtitan``), which does not depend on any of it. Each adjustment says
+why it is needed. The tests also pass ``--parallelism.spmd_backend partial_dtensor``: with the default
+``spmd_types`` backend, FSDP wrapping fails here ("all parameters must be DTensors on the full SPMD mesh";
+not investigated further). ``apply()`` must run before anything imports torchtitan (``torchtitan_run.py``).
+
+The config registry function ``tiny_llama`` is what the runs pass as ``--module torchtitan_cpu --config
+tiny_llama``: torchtitan's llama3 debug config with a 2-layer model of width 64 and an attention that
+drops out (p = ``TORCHTITAN_TEST_DROPOUT``, default 0.1), so that resuming needs the random streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 256
+
+
+_MOE_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _stub_moe_kernels() -> None:
+    # torchtitan's MoE token dispatcher imports its Triton kernels unconditionally, and there is no Triton
+    # for the CPU. An inert module in their place lets the import pass (the dense model never calls them);
+    # a fake ``triton`` instead would make torch believe Triton is installed.
+    stub = types.ModuleType(_MOE_KERNELS)
+    for name in ("copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
+                 "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
+                 "reduce_topk_slots_kernel", "topk_scores_grad_kernel"):
+        setattr(stub, name, None)
+    sys.modules.setdefault(_MOE_KERNELS, stub)
+
+
+class _CpuDeviceModule(types.ModuleType):
+    """torch.cpu, plus the device-name and memory-statistics calls of torchtitan's metrics (no-ops)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_cpu_for_torchtitan")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> Any:
+        return types.SimpleNamespace(name="cpu", total_memory=1 << 30)
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+def apply() -> None:
+    _stub_moe_kernels()
+    import torch.distributed as dist
+
+    from torchtitan.tools import utils
+
+    # torchtitan's device helpers fall back to "cuda" when no accelerator is found (tools/utils.py), and
+    # torch.cpu lacks the memory-monitor functions its metrics call. Set before any other torchtitan
+    # module copies them (``from torchtitan.tools.utils import device_module``).
+    utils.device_type, utils.device_module = "cpu", _CpuDeviceModule()
+
+    # Stock torchtitan 0.3.0 calls torch.distributed.set_timeout, which torch 2.13 lacks, after its first
+    # step: without the plug-in's stand-in, a stock run (the tests' controls) could not pass step 1.
+    from torchtitan_rng.integrations.torchtitan import provide_set_timeout
+
+    provide_set_timeout()
+
+    # set_pg_timeouts calls barrier(device_ids=[current device]); gloo takes no device ids.
+    barrier = dist.barrier
+
+    def cpu_barrier(*args: Any, device_ids: Any = None, **kwargs: Any) -> Any:
+        return barrier(*args, **kwargs)
+
+    dist.barrier = cpu_barrier
+
+    # torchtitan's FSDP2 reduce-scatters gradients with PREMUL_SUM(1 / 1.0) (the loss is already divided by
+    # the global token count), and gloo has no PREMUL_SUM: with a factor of 1.0 it is a plain SUM.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    divide_factors = _fsdp_collectives._get_gradient_divide_factors
+
+    def plain_sum_for_unit_factor(*args: Any, **kwargs: Any) -> Any:
+        factor = kwargs.get("factor", args[4] if len(args) > 4 else None)
+        if factor == 1.0:
+            return None, None, dist.ReduceOp.SUM, dist.ReduceOp.SUM
+        return divide_factors(*args, **kwargs)
+
+    _fsdp_collectives._get_gradient_divide_factors = plain_sum_for_unit_factor
+
+    # The block mask is built by a torch.compile'd create_block_mask: compiling it with inductor on the CPU
+    # takes minutes on a small machine. Eager builds the same mask.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from torchtitan.models.common import attention
+
+    attention._compiled_create_block_mask = create_block_mask
+
+
+def write_assets(folder: Path) -> tuple[Path, Path]:
+    """A byte-level tokenizer (``VOCAB`` ids) and a small text dataset: (hf_assets_path, dataset_path)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = [f"<0x{i:02X}>" for i in range(VOCAB - 2)]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    vocab["<|begin_of_text|>"], vocab["<|end_of_text|>"] = VOCAB - 2, VOCAB - 1
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.ByteFallback()
+    tokenizer.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    assets = folder / "tokenizer"
+    assets.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(assets / "tokenizer.json"))
+    (assets / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True,
+         "add_eos_token": True}))
+    data = folder / "text"
+    data.mkdir(parents=True, exist_ok=True)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jolly nymphs".split()
+    with (data / "train.jsonl").open("w") as file:
+        for i in range(400):
+            text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(8 + i % 13))
+            file.write(json.dumps({"text": text}) + "\n")
+    return assets, data
+
+
+def _dropping_attention() -> type:
+    from torchtitan.models.common.attention import FlexAttention
+
+    class DroppingDenseAttention(FlexAttention):
+        """FlexAttention has no CPU backward: SDPA over the block mask's dense mask, with dropout (torchtitan's
+        attention has none; the tests need randomness inside the model to see the streams matter)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(FlexAttention.Config):
+            dropout_p: float = 0.0
+
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.dropout_p = config.dropout_p
+
+        def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
+                    attention_masks: Any, scale: float | None = None, enable_gqa: bool = False,
+                    **kwargs: Any) -> torch.Tensor:
+            from torch.nn.attention.flex_attention import create_mask
+
+            batch, length = q_BLNH.shape[0], q_BLNH.shape[1]
+            mask = create_mask(attention_masks.mask_mod, batch, None, length, length, device=q_BLNH.device)
+            out = F.scaled_dot_product_attention(
+                q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), attn_mask=mask,
+                dropout_p=self.dropout_p if self.training else 0.0, scale=scale, enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+
+    return DroppingDenseAttention
+
+
+def tiny_llama() -> Any:
+    """torchtitan's llama3 debug config, shrunk to 2 layers of width 64 with attention dropout."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers, _output_linear_init
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    dim, heads = 64, 4
+    layers = _build_llama3_layers(
+        fuse_qkv=True, n_layers=2, dim=dim, n_heads=heads, hidden_dim=128,
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=256, theta=500000, scaling="llama"),
+        attn_backend="flex")
+    attention = _dropping_attention()
+    dropout = float(os.environ.get("TORCHTITAN_TEST_DROPOUT", "0.1"))
+    for layer in layers:
+        layer.attention.inner_attention = attention.Config(dropout_p=dropout)
+    config.model_spec.model = Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
+        layers=layers)
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
+    config.training.seq_len = 64
+    config.training.local_batch_size = 2
+    config.validator.enable = False
+    return config

@@ -1,0 +1,288 @@
+"""Exact resume for torchtitan 0.3 (extra ``torchtitan``), as one override: no fork, no patch of torchtitan.
+
+Turn it on with one flag on a stock launch command (docs/torchtitan.md)::
+
+    --override.imports torchtitan_rng.integrations.torchtitan.exact_resume
+
+torchtitan applies the override before it builds its components: the run's ``CheckpointManager`` becomes an
+:class:`ExactResumeCheckpointManager`, which is the stock manager plus
+
+* every rank's global streams (Python, NumPy, torch CPU, its accelerator) in every checkpoint, captured at
+  the step boundary where torchtitan saves, under a rank-unique key (``torchtitan_rng.rank_{r}``), each
+  rank loading only its own (``TrainState``, as this project's trainer stores them);
+* their restore at the step boundary *after* ``iter(dataloader)``: torchtitan's loader draws its
+  ``_base_seed`` from the global CPU generator when the iterator is created, which ``train()`` does after
+  loading the checkpoint. The manager hands the trainer's loader to the loop in a thin wrapper whose
+  ``iter()`` creates the iterator, then restores the streams;
+* validation under preserved streams (the trainer's validator, wrapped the same way when it is enabled);
+* a stop signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary (one CPU all-reduce, read a step
+  later), save a full checkpoint at that step, and the loop ends there: the run exits 0;
+* the run record of this project (``run.json``: every resolved config key and the versions) in every
+  checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
+  WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
+* a checkpoint without streams (saved by stock torchtitan, or by another number of processes) resumes with
+  one WARNING line and fresh streams; a checkpoint of the plug-in resumes in stock torchtitan, which does not
+  ask DCP for the extra key.
+
+Data randomness: the stock text loaders draw nothing at random. A dataset of your own that draws in
+``__getitem__`` should derive its randomness per sample (``torchtitan_rng.data.sample_rng``) or, with
+``num_workers > 0``, carry its workers' streams (``torchtitan_rng.data.worker_rng.WorkerRNGDataset``).
+
+It also provides ``torch.distributed.set_timeout`` where torch lacks it (torch 2.13 and older): torchtitan
+0.3.0 calls it after the first step of every process. The stand-in sets each group's timeout through
+``ProcessGroup.set_timeout``, which those versions have.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
+from torchtitan.config.override import derive, override
+from torchtitan.tools.logging import logger
+
+from torchtitan_rng.checkpoint.layout import rank_key
+from torchtitan_rng.checkpoint.run_record import make_record, read_record, write_record
+from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
+from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.distributed import StopVote, rank_and_world_size
+from torchtitan_rng.integrations import check_tested_version
+from torchtitan_rng import signals as checkpoint_signals
+from torchtitan_rng.rng import preserved_global_rng
+
+check_tested_version("torchtitan")
+
+# The checkpoint part holding every rank's streams (DCP keys ``torchtitan_rng.rank_{r}``).
+STREAMS_PART = "torchtitan_rng"
+
+
+def provide_set_timeout() -> None:
+    """torchtitan 0.3.0 calls ``torch.distributed.set_timeout(timeout, group)`` after each process's first
+    step; torch releases up to 2.13 do not have it (only ``ProcessGroup.set_timeout``), so every run would
+    crash there. Provide it where it is missing, with the same meaning; a torch that has it keeps its own."""
+    if hasattr(dist, "set_timeout"):
+        return
+
+    def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
+        (group if group is not None else dist.distributed_c10d._get_default_group()).set_timeout(timeout)
+
+    dist.set_timeout = set_timeout  # type: ignore[attr-defined]
+
+
+provide_set_timeout()
+
+
+# Config keys (``section.key`` or whole sections, ``section.*``) that cannot change the losses a resume trains:
+# where and how often to save or log, timeouts, what runs inside preserved streams, how the config was given.
+QUIET_KEYS = ("checkpoint.*", "metrics.*", "profiler.*", "comm.*", "validator.*", "override.*", "dump_folder",
+              "debug.print_config", "debug.save_config_file", "training.steps")
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # reprs of functions in the config differ between processes
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """Every key of a torchtitan config as ``section.key`` (nested: ``a.b.c``), as JSON values."""
+    values: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                values[prefix + key] = value
+
+    walk(json.loads(_ADDRESS.sub("", json.dumps(config.to_dict(), default=repr))), "")
+    return values
+
+
+def _horizon_matters(values: dict[str, Any]) -> bool:
+    """Whether the learning-rate schedule depends on ``training.steps`` (a decay spread over the run)."""
+    return values.get("lr_scheduler.decay_ratio") != 0
+
+
+def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per key that differs and can change the losses (``QUIET_KEYS`` and keys one side lacks
+    are not compared; ``training.steps`` only where the schedule's decay depends on it)."""
+    def quiet(key: str) -> bool:
+        return key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
+
+    lines = [f"{key} = {current[key]!r} but the checkpoint was trained with {saved[key]!r}"
+             for key in sorted(set(saved) & set(current)) if not quiet(key) and saved[key] != current[key]]
+    steps = "training.steps"
+    if saved.get(steps) != current.get(steps) and _horizon_matters(current):
+        lines.append(f"{steps} = {current.get(steps)!r} but the checkpoint was trained with {saved.get(steps)!r}, "
+                     "and the learning-rate decay is spread over training.steps (stop by signal, or set "
+                     "--lr_scheduler.decay_ratio 0, to stop early exactly)")
+    return lines
+
+
+class _RestoreAfterIter:
+    """The trainer's dataloader as the training loop sees it: ``iter()`` creates the loader's iterator,
+    then puts back the loaded streams (the step boundary, nothing of the resumed step has drawn yet)."""
+
+    def __init__(self, loader: Any, manager: ExactResumeCheckpointManager) -> None:
+        self._loader = loader
+        self._manager = manager
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self._loader)
+        self._manager.restore_streams()
+        return iterator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _PreservedStreamsValidator:
+    """The trainer's validator, whose ``validate`` leaves every training stream where it found it."""
+
+    def __init__(self, validator: Any, device: torch.device) -> None:
+        self._validator = validator
+        self._device = device
+
+    def validate(self, *args: Any, **kwargs: Any) -> Any:
+        with preserved_global_rng(self._device):
+            return self._validator.validate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._validator, name)
+
+
+class ExactResumeCheckpointManager(CheckpointManager):
+    """torchtitan's DCP checkpoint manager, with every rank's streams and a save-and-stop on signals."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        signals: list[str] = field(default_factory=lambda: list(checkpoint_signals.DEFAULT_SIGNALS))
+        """Signals that save a full checkpoint at an agreed step and end the run (exit 0)."""
+
+        restore_streams_at: Literal["first_iter", "load"] = "first_iter"
+        """``first_iter``: after ``iter(dataloader)`` (exact). ``load``: inside the checkpoint load, one
+        ``_base_seed`` draw too early; there only to show that the restore point matters."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.restore_streams_at not in ("first_iter", "load"):
+                raise ValueError(f"torchtitan_rng: restore_streams_at = {self.restore_streams_at!r}; use "
+                                 "\"first_iter\" (exact) or \"load\"")
+            checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if not self.enable:
+            if rank_and_world_size()[0] == 0:
+                logger.warning("torchtitan_rng: checkpointing is off (--checkpoint.enable): no random "
+                               "streams are saved and stop signals are not handled")
+            return
+        self.restore_streams_at = config.restore_streams_at
+        self.trainer = self.states[TRAIN_STATE]
+        self.streams = TrainState(self.trainer.device)
+        self.states[STREAMS_PART] = self.streams
+        self._restore_pending = False
+        self._stop_step: int | None = None
+        checkpoint_signals.install(config.signals)
+        self.vote: StopVote | None = StopVote()  # a collective: every rank builds its manager here
+        # The loop iterates trainer.dataloader; the checkpoint keeps the loader itself (states["dataloader"]).
+        self.trainer.dataloader = _RestoreAfterIter(self.trainer.dataloader, self)
+
+    def load(self, step: int = -1) -> bool:
+        """The stock load (the first thing ``train()`` does); the streams go back at ``iter(dataloader)``."""
+        if not self.enable:
+            return False
+        validator = getattr(self.trainer, "validator", None)  # built after this manager
+        if validator is not None and not isinstance(validator, _PreservedStreamsValidator):
+            self.trainer.validator = _PreservedStreamsValidator(validator, self.trainer.device)
+        self.streams.loaded = None
+        loaded = self._load(step)
+        self._restore_pending = self.streams.loaded is not None
+        if self.restore_streams_at == "load":
+            self.restore_streams()
+        return loaded
+
+    def restore_streams(self) -> None:
+        """Put this rank's loaded streams back (once); the device's only when saved from the same device type."""
+        if not self._restore_pending:
+            return
+        self._restore_pending = False
+        saved_device = self.streams.loaded["device_type"]
+        same_device = saved_device == self.trainer.device.type
+        if not same_device and rank_and_world_size()[0] == 0:
+            logger.warning(f"torchtitan_rng: the checkpoint's streams were saved on {saved_device} and this run "
+                           f"trains on {self.trainer.device.type}: the device stream starts fresh, so the resume "
+                           "is not exact")
+        self.streams.restore_rng(include_device=same_device)
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
+                 from_quantized: bool) -> None:
+        if STREAMS_PART in state_dict and not from_hf:
+            self._check_drift(Path(checkpoint_id))
+            mine = f"{STREAMS_PART}.{rank_key(self.streams.rank)}"
+            keys = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            if mine not in keys:  # DCP raises on a key the checkpoint lacks: load without it
+                state_dict = {name: part for name, part in state_dict.items() if name != STREAMS_PART}
+                if self.streams.rank == 0:
+                    logger.warning(self._no_streams_reason(checkpoint_id, keys))
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def _check_drift(self, checkpoint: Path) -> None:
+        """Name every changed key that can change the losses (rank 0; a checkpoint without a record has none)."""
+        saved = read_record(checkpoint)
+        if saved is None or self.streams.rank != 0:
+            return
+        for line in config_drift(saved["config"], config_values(self.trainer.config)):
+            logger.warning(f"torchtitan_rng: {line}: this resume is no longer the run that was stopped")
+
+    def _no_streams_reason(self, checkpoint_id: str, keys: Any) -> str:
+        saved = sum(1 for key in keys if key.startswith(f"{STREAMS_PART}.rank_"))
+        why = (f"was saved by {saved} process(es) and this run has {self.streams.world_size}" if saved else
+               "holds no random streams (saved without torchtitan_rng)")
+        return (f"torchtitan_rng: checkpoint {checkpoint_id} {why}: resuming with fresh random "
+                "streams, so this resume is not exact")
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        return curr_step == self._stop_step or super()._should_save(curr_step, last_step)
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Called after every step: the stock save, or on an agreed stop signal a full save and the end."""
+        self.streams.step = curr_step
+        assert self.vote is not None
+        if not self.vote.poll(checkpoint_signals.received() is not None):
+            self._write_record(curr_step, last_step)
+            return super()._save(curr_step, last_step)
+        self._stop_step = curr_step
+        self._write_record(curr_step, False)
+        saved = super()._save(curr_step, last_step=False)  # last_step would save the model only by default
+        self.maybe_wait_for_saving()
+        logger.info(f"torchtitan_rng: stop signal: saved a full checkpoint at step {curr_step}; stopping")
+        self.trainer.config.training.steps = curr_step  # the loop ends after this step
+        return saved
+
+    def _write_record(self, step: int, last_step: bool) -> None:
+        """Rank 0 puts the run record into the folder of a checkpoint about to be saved (before DCP writes
+        ``.metadata``, which is what makes torchtitan count the folder as a checkpoint)."""
+        if self.streams.rank != 0 or not self._should_save(step, last_step):
+            return
+        folder = Path(self._create_checkpoint_id(step))
+        folder.mkdir(parents=True, exist_ok=True)
+        write_record(folder, make_record(config_values(self.trainer.config), None))
+
+    def _close(self) -> None:
+        if getattr(self, "vote", None) is not None:
+            self.vote.close()  # every rank has one vote in flight; finish it before the group goes
+            self.vote = None
+        super()._close()
+
+
+@override(target=CheckpointManager.Config, exact=True,
+          description="torchtitan_rng: every rank's random streams in the checkpoint, restored after "
+                      "iter(dataloader); validation under preserved streams; save-and-stop on signals")
+def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
+    """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
+    (``signals``, ``restore_streams_at``) come from ``--override.imports 'TARGET={"signals": [...]}'``."""
+    return derive(config, ExactResumeCheckpointManager.Config, **options)
