@@ -1,7 +1,7 @@
 """ExactResumeTrainer under torchrun (2 processes, gloo, 2 loader workers each, accumulation 2) with
 evaluation that draws from the global streams: a ``max_steps`` stop (HF evaluates at the end of training
-before it saves) and a checkpoint at an evaluation step resume bitwise, with the epoch the uninterrupted
-run logs; signal handling lasts only as long as ``train()`` and has one owner with
+before it saves) and a checkpoint at an evaluation step, whoever asked for it (``save_steps``, a user's
+callback, the integration on a signal), resume bitwise, with the epoch the uninterrupted run logs; signal handling lasts only as long as ``train()`` and has one owner with
 ``enable_jit_checkpoint``; a stock Trainer checkpoint is refused, or resumed once inexactly on request;
 an unsupported ``train_sampling_strategy`` is refused in one line."""
 
@@ -16,13 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
+import torch
 
+from tests.support.checks import assert_same_tensors
 from tests.support.launch import REPO, run_env, together
 
 SCRIPT = "tests.support.integrations.hf_run"
 # 24 samples, batch 2, accumulation 2: 6 optimizer steps an epoch; evaluation and saves every 3 steps.
 COMMON = ("--workers", "2", "--ga", "2", "--eval-steps", "3", "--save-steps", "3")
 STEPS, STOP = 8, 4
+TWICE = (*COMMON, "--save-steps", "1000", "--jit", "--max-steps", str(STOP))
 
 
 def _run(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -72,26 +76,28 @@ except ValueError as err:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    names = ("A", "B", "A_at3", "nofork", "nofork_b", "twice", "twice2", "stock", "migrated", "checks")
+    names = ("A", "B", "A_at3", "nofork", "nofork_b", "twice", "twice2", "twice_at3", "stock", "migrated", "checks")
     d = {name: tmp_path_factory.mktemp(name) for name in names}
     started = time.monotonic()
     wave1 = together(
         lambda: _ok(_run(d["A"], *COMMON, "--max-steps", str(STEPS))),
-        lambda: _ok(_run(d["B"], *COMMON, "--max-steps", str(STOP))),
+        # Its checkpoint-3 saved by a user's callback (not save_steps), at evaluation step 3.
+        lambda: _ok(_run(d["B"], *COMMON, "--save-steps", "1000", "--save-at", "3", "--max-steps", str(STOP))),
         # The control, one process: the same runs with evaluation moving the streams.
         lambda: _ok(_run(d["nofork"], *COMMON, "--no-eval-fork", "--max-steps", str(STEPS), nproc=1)),
         lambda: _ok(_run(d["nofork_b"], *COMMON, "--no-eval-fork", "--max-steps", str(STOP), nproc=1)),
-        # One process, with enable_jit_checkpoint: a train() stopped by its own SIGTERM at step 2, a second
-        # train(), then a SIGTERM outside training.
-        lambda: _run(d["twice"], *COMMON, "--jit", "--max-steps", str(STOP), "--signal-at", "2", "--again",
-                     str(d["twice2"]), "--sigterm-after", nproc=1),
+        # One process, with enable_jit_checkpoint: a train() stopped by its own SIGTERM at step 2 (saved by the
+        # integration alone, at evaluation step 3), a second train(), then a SIGTERM outside training.
+        lambda: _run(d["twice"], *TWICE, "--signal-at", "2", "--again", str(d["twice2"]), "--sigterm-after", nproc=1),
         lambda: _ok(_run(d["stock"], "--stock", "--max-steps", str(STOP), "--save-steps", str(STOP), nproc=1)),
     )
     _seed_from(d["A"], d["A_at3"], "checkpoint-3", 3, nproc=2)
+    _seed_from(d["twice"], d["twice_at3"], "checkpoint-3", 3, nproc=1)
     _seed_from(d["stock"], d["migrated"], f"checkpoint-{STOP}", STOP, nproc=1)
     wave2 = together(
         lambda: _ok(_run(d["B"], *COMMON, "--max-steps", str(STEPS), "--resume")),
         lambda: _ok(_run(d["A_at3"], *COMMON, "--max-steps", str(STEPS), "--resume")),
+        lambda: _ok(_run(d["twice_at3"], *TWICE, "--resume", nproc=1)),
         lambda: _ok(_run(d["nofork_b"], *COMMON, "--no-eval-fork", "--max-steps", str(STEPS), "--resume", nproc=1)),
         lambda: subprocess.run([sys.executable, "-c", CONSTRUCTION_CHECKS, str(d["checks"]),
                                 str(d["stock"] / "ckpt" / f"checkpoint-{STOP}")], cwd=REPO, capture_output=True,
@@ -100,7 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                      "--on-stock-checkpoint", "warn", nproc=1),
     )
     print(f"\nhf stop runs: {time.monotonic() - started:.1f} s wall")
-    return {"dirs": d, "twice": wave1[4], "checks": wave2[3], "migrated": wave2[4]}
+    return {"dirs": d, "twice": wave1[4], "checks": wave2[4], "migrated": wave2[5]}
 
 
 def test_a_max_steps_stop_resumes_bitwise_with_the_logged_epoch(runs: dict[str, Any]) -> None:
@@ -118,6 +124,29 @@ def test_an_evaluation_step_checkpoint_resumes_bitwise(runs: dict[str, Any]) -> 
     for rank in (0, 1):
         assert _lines(d["A_at3"], "losses", rank) == _lines(d["A"], "losses", rank)
         assert _lines(d["A_at3"], "epochs", rank) == _lines(d["A"], "epochs", rank)
+
+
+def _checkpoint(folder: Path, nproc: int) -> dict[str, Any]:
+    """What a resume reads from an ExactResumeTrainer checkpoint: model, optimizer, schedule, every rank's loader
+    and streams."""
+    parts: dict[str, Any] = {"model": safetensors.torch.load_file(folder / "model.safetensors")}
+    for name in ("optimizer.pt", "scheduler.pt", *(f"exact_resume_rank{rank}.pt" for rank in range(nproc))):
+        parts[name] = torch.load(folder / name, weights_only=False)
+    return parts
+
+
+def test_a_users_save_at_an_evaluation_step_is_the_uninterrupted_runs_checkpoint(runs: dict[str, Any]) -> None:
+    # B's checkpoint-3, asked for by a user's callback, holds what A's (save_steps, resumed bitwise above) holds.
+    d = runs["dirs"]
+    assert_same_tensors(_checkpoint(d["B"] / "ckpt" / "checkpoint-3", 2), _checkpoint(d["A"] / "ckpt" / "checkpoint-3", 2))
+
+
+def test_the_integrations_own_save_at_an_evaluation_step_resumes_bitwise(runs: dict[str, Any]) -> None:
+    # The signal-triggered checkpoint-3 of the first train() (one process), resumed: the second train() in that
+    # process ran the same configuration uninterrupted.
+    d = runs["dirs"]
+    assert _lines(d["twice_at3"], "losses") == _lines(d["twice2"], "losses")
+    assert _lines(d["twice_at3"], "epochs") == _lines(d["twice2"], "epochs")
 
 
 def test_control_evaluation_moving_the_streams_differs_after_the_stop(runs: dict[str, Any]) -> None:

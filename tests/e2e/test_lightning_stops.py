@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.checks import assert_same_tensors
 from tests.support.launch import REPO, run_env, together
 
 SCRIPT = "tests.support.integrations.lightning_run"
@@ -78,30 +79,13 @@ def _losses(out: Path) -> list[str]:
     return [(out / f"losses_rank{rank}.txt").read_text() for rank in (0, 1)]
 
 
-def _tensors_equal(a: Any, b: Any, where: str = "") -> None:
-    """Equal structure, equal values, every tensor equal byte for byte."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for key in a:
-            _tensors_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _tensors_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, f"{where}: tensor kinds differ"
-        assert a.numpy().tobytes() == b.numpy().tobytes(), f"{where}: tensor bits differ"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _same_checkpoint(path: Path, reference: Path) -> None:
     """Everything a resume reads (model, optimizer, loops, every rank's loader and streams); not the
     callbacks' own bookkeeping (ModelCheckpoint's list of files)."""
     a, b = (torch.load(p, weights_only=False) for p in (path, reference))
     for key in ("state_dict", "optimizer_states", "lr_schedulers", "loops", "torchtitan_rng_loader_by_rank",
                 "global_step", "epoch"):
-        _tensors_equal(a[key], b[key], key)
+        assert_same_tensors(a[key], b[key], key)
 
 
 @pytest.fixture(scope="module")
@@ -205,5 +189,5 @@ def test_a_loader_the_callback_cannot_make_exact_is_refused_before_the_first_ste
     # (A plain DataLoader with shuffle=True is made exact: the rank-0 case above trains from one.)
     d, proc = runs["dirs"], runs["procs"]["refused"]
     assert proc.returncode != 0
-    assert "ExactResumeCallback trains from a DataLoader over a map-style dataset" in proc.stderr
+    assert "ExactResumeCallback trains from a DataLoader (not a subclass) over a map-style dataset" in proc.stderr
     assert not (d["refused"] / "losses_rank0.txt").exists()

@@ -14,7 +14,8 @@
 * during ``train()`` only, SIGTERM / SIGUSR1 set a flag; at the next optimizer step all processes agree
   (one all-reduce), save a checkpoint at that step and stop. The handlers found before ``train()`` are
   back after it. This trainer is the one owner of SIGTERM: with ``enable_jit_checkpoint=True`` the stock
-  JIT checkpoint (which saves in the middle of a step, on each process on its own) is replaced by it.
+  JIT checkpoint's SIGTERM handler (which saves in the middle of a step, on each process on its own) is
+  taken back; its callback stays, inert.
 """
 
 from __future__ import annotations
@@ -128,14 +129,16 @@ class ExactResumeTrainer(transformers.Trainer):
         self._exact_loader: EpochLoader | None = None
 
     def _take_sigterm_from_jit_checkpoint(self) -> None:
-        """One owner of SIGTERM: this trainer (an agreed step, every process, between steps)."""
-        for callback in list(self.callback_handler.callbacks):
-            if isinstance(callback, JITCheckpointCallback):
-                if callback.jit_manager is not None:
-                    signal.signal(signal.SIGTERM, callback.jit_manager._original_sigterm_handler or signal.SIG_DFL)
-                self.callback_handler.remove_callback(callback)
+        """One owner of SIGTERM: this trainer (an agreed step, every process, between steps). The stock JIT
+        callback stays in the list, as code that looks for it expects, with its SIGTERM handler (installed when
+        the Trainer was built) taken back: only that handler ever asks it for a checkpoint."""
+        for callback in self.callback_handler.callbacks:
+            manager = getattr(callback, "jit_manager", None) if isinstance(callback, JITCheckpointCallback) else None
+            if manager is not None:
+                signal.signal(signal.SIGTERM, manager._original_sigterm_handler or signal.SIG_DFL)
+                manager._original_sigterm_handler = None  # nothing for it to put back at the end of training
                 log.warning("enable_jit_checkpoint: ExactResumeTrainer saves on SIGTERM itself, at a step every "
-                            "process agrees on; the stock JIT checkpoint is not installed")
+                            "process agrees on; the stock JIT checkpoint's SIGTERM handler is not installed")
 
     def get_train_dataloader(self) -> EpochLoader:  # type: ignore[override]
         dataset = self.train_dataset

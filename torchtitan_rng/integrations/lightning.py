@@ -7,10 +7,10 @@ returns, or one made from the plain ``DataLoader`` it returns (same dataset, bat
 collate_fn, shuffle or not). Then:
 
 * at every checkpoint each rank's loader state (position and that rank's global streams at the step
-  boundary) is gathered into the file rank 0 writes; Lightning alone would save rank 0's and load it on
-  every rank;
-* on resume each rank gets its own back; Lightning loads it into the loader before the epoch's iterator
-  is created, and the streams go back right before the first batch is fetched;
+  boundary) is gathered into the file rank 0 writes (Lightning's loop state holds no loader state: it would
+  hold rank 0's only and load it on every rank);
+* on resume each rank gets its own back, loaded into the loader at the start of training, before its
+  first batch; the streams go back right before that batch is fetched;
 * validation during training runs under preserved streams: a run that validates at a step and one that
   resumes from that step's checkpoint (and does not validate again) continue from the same streams;
 * for the duration of ``fit()`` the callback owns SIGTERM and SIGUSR1 (Lightning's own SIGTERM handler,
@@ -45,10 +45,6 @@ __all__ = ["ExactResumeCallback", "exact_resume_loader"]
 CHECKPOINT_KEY = "torchtitan_rng_loader_by_rank"
 
 
-def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    return checkpoint["loops"]["fit_loop"]["state_dict"]
-
-
 class ExactResumeCallback(L.Callback):
     """Per-rank loader state and streams in every checkpoint, validation that moves no training stream,
     and a save at the agreed step on a signal.
@@ -73,21 +69,15 @@ class ExactResumeCallback(L.Callback):
         self._signals: ExitStack | None = None
         self._unheeded: signals.Scope | None = None
         self._streams_before_validation: dict[str, Any] | None = None
+        self._to_load: list[dict[str, Any]] | None = None  # this rank's loader state from the checkpoint
 
     # -- start and end of training -------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before fit() asks for its train loader: a plain DataLoader becomes an exact one.
         source = trainer.fit_loop._data_source
-        if stage != "fit" or getattr(source.dataloader, "_makes_exact_loader", False):
-            return
-        request = source.dataloader
-
-        def exact_loader() -> Any:
-            return _as_exact_loader(request(), self.seed)
-
-        exact_loader._makes_exact_loader = True  # type: ignore[attr-defined]
-        source.dataloader = exact_loader
+        if stage == "fit" and not isinstance(source.dataloader, _ExactRequest):
+            source.dataloader = _ExactRequest(source.dataloader, self.seed)
 
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._own_signals(trainer)
@@ -97,11 +87,14 @@ class ExactResumeCallback(L.Callback):
         if len(self._loaders) != 1 or len(trainer.fit_loop._combined_loader.flattened) != 1:
             raise ConfigError("ExactResumeCallback needs one train loader: train_dataloader() returned several")
         self._own_signals(trainer)
+        if self._to_load is not None:  # before the first batch: the loader has not been iterated yet
+            self._loaders[0].load_state_dict(self._to_load[0])
+            self._to_load = None
         self.preempted_checkpoint = None
         self._vote = StopVote()  # every rank starts training here, with its process group up
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if not getattr(val_loop.run, "_preserves_streams", False):
-            val_loop.run = self._preserving_streams(val_loop.run, self._loaders[0].device)
+        if not isinstance(val_loop.run, _PreservingStreams):
+            val_loop.run = _PreservingStreams(val_loop.run, vars(val_loop).get("run"), self, self._loaders[0].device)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The vote cast at the last step (every rank has one in flight): a signal during it is saved here.
@@ -109,10 +102,12 @@ class ExactResumeCallback(L.Callback):
             self._save_preempted(trainer)
         self._vote = None
         self._release_signals()
+        _unwrap_validation(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._vote = None  # another rank may never cast the vote in flight: not waited for
         self._release_signals(failed=True)
+        _unwrap_validation(trainer)
         self._loaders += _epoch_loaders(trainer)
         self.teardown(trainer, pl_module, "fit")
 
@@ -149,31 +144,14 @@ class ExactResumeCallback(L.Callback):
         if failed:
             self._unheeded = None
 
-    # -- validation ------------------------------------------------------------------------------------
-
-    def _preserving_streams(self, run: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
-        """``run`` (the validation loop inside fit) with every global stream as it was before it: a checkpoint
-        saved before or during it holds the streams of the step boundary."""
-
-        def preserving() -> Any:
-            self._streams_before_validation = streams = capture_global_rng(device)
-            try:
-                return run()
-            finally:
-                restore_global_rng(streams, device)
-                self._streams_before_validation = None
-
-        preserving._preserves_streams = True  # type: ignore[attr-defined]
-        return preserving
-
     # -- checkpoints -----------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        mine = _fit_loop_state(checkpoint).get("combined_loader")
-        if not mine:
-            raise ValueError("ExactResumeCallback needs train_dataloader() to return "
-                             "torchtitan_rng.integrations.lightning.exact_resume_loader(...)")
+        loaders = _epoch_loaders(trainer)  # during training, or after it (its end position)
+        if not loaders:  # saved before any training: there is no loader position to keep
+            return
+        mine = [loader.state_dict() for loader in loaders]
         if self._streams_before_validation is not None:  # saved inside validation: the boundary's streams
             mine = [{**state, "rng": self._streams_before_validation} for state in mine]
         _, world = rank_and_world_size()
@@ -185,6 +163,8 @@ class ExactResumeCallback(L.Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
+        if trainer.state.fn != "fit":  # validate/test/predict from a checkpoint: no loader to restore
+            return
         by_rank = checkpoint.get(CHECKPOINT_KEY)
         rank, world = rank_and_world_size()
         if by_rank is None:
@@ -193,8 +173,7 @@ class ExactResumeCallback(L.Callback):
         if len(by_rank) != world:
             raise ValueError(f"this checkpoint holds the loaders of {len(by_rank)} ranks and this run has {world}: "
                              f"resume with {len(by_rank)} processes for an exact resume")
-        # Lightning loads this list into the train loader before creating its iterator: give it this rank's.
-        _fit_loop_state(checkpoint)["combined_loader"] = by_rank[rank]
+        self._to_load = by_rank[rank]  # loaded into the train loader at the start of training
 
     # -- the stop on a signal ----------------------------------------------------------------------------
 
@@ -222,11 +201,12 @@ def _as_exact_loader(loader: Any, seed: int | None) -> Any:
     dataset with the stock samplers (a custom sampler's order cannot be carried over exactly)."""
     if isinstance(loader, EpochLoader):
         return loader
-    if (not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset)
+    # A DataLoader subclass is refused too: what it adds would be lost in the loader made from it.
+    if (type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset)
             or type(loader.sampler) not in (RandomSampler, SequentialSampler)
             or type(loader.batch_sampler) is not BatchSampler):
-        raise ConfigError("ExactResumeCallback trains from a DataLoader over a map-style dataset with shuffle=True or "
-                         "False and no sampler of its own; return torchtitan_rng.integrations.lightning."
+        raise ConfigError("ExactResumeCallback trains from a DataLoader (not a subclass) over a map-style dataset with "
+                         "shuffle=True or False and no sampler of its own; return torchtitan_rng.integrations.lightning."
                          "exact_resume_loader(dataset, batch_size=..., seed=...) from train_dataloader() instead")
     if seed is None:
         seed = loader.generator.initial_seed() if loader.generator is not None else torch.initial_seed()
@@ -243,6 +223,60 @@ def _as_exact_loader(loader: Any, seed: int | None) -> Any:
                                prefetch_factor=loader.prefetch_factor or 2)
 
 
+class _ExactRequest:
+    """Lightning's request for the train loader, answered with an exact one (an object, not a closure: a Trainer
+    pickles)."""
+
+    def __init__(self, request: Callable[[], Any], seed: int | None) -> None:
+        self.request, self.seed = request, seed
+
+    def __call__(self) -> _Batches:
+        return _Batches(_as_exact_loader(self.request(), self.seed))
+
+
+class _Batches:
+    """What Lightning iterates: the exact loader without ``state_dict``, so that Lightning keeps no loader state of
+    its own (it would keep rank 0's only, in its loop state); the callback saves every rank's."""
+
+    def __init__(self, loader: EpochLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> EpochLoader:
+        return self.loader
+
+
+class _PreservingStreams:
+    """The validation loop's ``run`` inside fit, with every global stream as it was before it: a checkpoint saved
+    before or during it holds the streams of the step boundary. (An object, not a closure: a Trainer pickles.)"""
+
+    def __init__(self, run: Callable[[], Any], instance_run: Callable[[], Any] | None, callback: ExactResumeCallback,
+                 device: torch.device) -> None:
+        # instance_run: a ``run`` set on the loop object itself (None: the class's), put back at the end.
+        self.run, self.instance_run, self.callback, self.device = run, instance_run, callback, device
+
+    def __call__(self) -> Any:
+        self.callback._streams_before_validation = streams = capture_global_rng(self.device)
+        try:
+            return self.run()
+        finally:
+            restore_global_rng(streams, self.device)
+            self.callback._streams_before_validation = None
+
+
+def _unwrap_validation(trainer: L.Trainer) -> None:
+    """The validation loop's own ``run`` back, at the end of training."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    wrapper = vars(val_loop).get("run")
+    if isinstance(wrapper, _PreservingStreams):
+        if wrapper.instance_run is None:
+            del val_loop.run
+        else:
+            val_loop.run = wrapper.instance_run
+
+
 def _epoch_loaders(trainer: L.Trainer) -> list[EpochLoader]:
     combined = trainer.fit_loop._combined_loader
-    return [it for it in (combined.flattened if combined is not None else []) if isinstance(it, EpochLoader)]
+    return [it.loader for it in (combined.flattened if combined is not None else []) if isinstance(it, _Batches)]

@@ -23,8 +23,8 @@ class HFNet(TinyNet):
 
 
 class Record(transformers.TrainerCallback):
-    def __init__(self, out: Path, model: HFNet, signal_at: int) -> None:
-        self.out, self.model, self.signal_at = out, model, signal_at
+    def __init__(self, out: Path, model: HFNet, signal_at: int, save_at: int) -> None:
+        self.out, self.model, self.signal_at, self.save_at = out, model, signal_at, save_at
 
     def on_step_end(self, args, state, control, **kwargs) -> None:  # type: ignore[no-untyped-def]
         record_step(self.out, args.process_index, state.global_step, self.model)
@@ -32,6 +32,8 @@ class Record(transformers.TrainerCallback):
             f.write(f"{state.global_step} {float(state.epoch).hex()}\n")
         if state.global_step == self.signal_at and args.process_index == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice arriving during this step
+        if state.global_step == self.save_at:  # a user's own save
+            control.should_save = True
 
 
 def train(opts: argparse.Namespace, out: Path, resume: bool | str | None) -> None:
@@ -61,7 +63,7 @@ def train(opts: argparse.Namespace, out: Path, resume: bool | str | None) -> Non
             extra["on_stock_checkpoint"] = opts.on_stock_checkpoint
     trainer = trainer_class(model=model, args=args, train_dataset=NoisyDataset(24),
                             eval_dataset=NoisyDataset(4) if opts.eval_steps else None,
-                            callbacks=[Record(out, model, opts.signal_at)], **extra)
+                            callbacks=[Record(out, model, opts.signal_at, opts.save_at)], **extra)
     trainer.train(resume_from_checkpoint=resume)
 
 
@@ -78,6 +80,7 @@ def main() -> None:
     parser.add_argument("--jit", action="store_true", help="enable_jit_checkpoint=True")
     parser.add_argument("--on-stock-checkpoint")
     parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--save-at", type=int, default=-1, help="a user callback asks for a checkpoint at this step")
     parser.add_argument("--resume", nargs="?", const=True, help="the newest checkpoint, or this one")
     parser.add_argument("--again", type=Path, help="then a second train() in this process, into this folder")
     parser.add_argument("--sigterm-after", action="store_true", help="then SIGTERM to itself, outside training")

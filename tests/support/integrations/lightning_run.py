@@ -98,8 +98,10 @@ def fit(opts: argparse.Namespace, out: Path, resume: Path | None) -> None:
 
         if opts.no_val_fork:  # the control: the callback without validation under preserved streams
             class ExactResumeCallback(ExactResumeCallback):  # type: ignore[no-redef]
-                def _preserving_streams(self, run, device):  # type: ignore[no-untyped-def]
-                    return run
+                def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+                    super().on_train_start(trainer, pl_module)
+                    val_loop = trainer.fit_loop.epoch_loop.val_loop
+                    val_loop.run = val_loop.run.run  # the stock validation loop, which moves the streams
 
         callbacks.append(ExactResumeCallback(out / "ckpt"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
