@@ -87,9 +87,14 @@ class EpochLoader:
 
     def close(self) -> None:
         """Stop the worker processes now. The loader keeps its live iterator (for ``state_dict``), so dropping
-        ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals."""
+        ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals. Its
+        position stays: a checkpoint saved after training (e.g. ``trainer.save_checkpoint`` after ``fit()``)
+        resumes where training stopped, and iterating again continues from there."""
         self._iterator = None
+        position = self.loader.state_dict() if self.loader._iterator is not None else None
         shutdown_workers(self.loader)
+        if position is not None:
+            self.loader.load_state_dict(position)  # pending: what state_dict() returns, where iteration resumes
 
 
 def exact_resume_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
