@@ -14,8 +14,9 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
-from torchtitan_rng.config import JobConfig, snapshot_every_n_steps
+from torchtitan_rng.config import JobConfig, parse_spike_guard, snapshot_every_n_steps
 from torchtitan_rng.data.dataloader import ResumableDataLoader, map_style_problem
+from torchtitan_rng.data.sample_keys import with_sample_keys
 from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World
@@ -26,6 +27,7 @@ from torchtitan_rng.optimizer import build_optimizer
 from torchtitan_rng.parallel import plan_class
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import seed_model_init
+from torchtitan_rng.spike_guard import SpikeGuard
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 
@@ -44,12 +46,14 @@ class Components:
     dataset: Dataset
     dataloader: ResumableDataLoader | StreamingDataLoader
     train_state: TrainState
+    spike_guard: SpikeGuard | None  # training.spike_guard: its window is checkpointed
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """What a checkpoint of this run holds (``checkpoint/states.py``), the plan's layout record included."""
         return checkpoint_parts(model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                                 dataloader=self.dataloader, train_state=self.train_state,
-                                extras=self.plan.record_parts() or None)
+                                extras={**self.plan.record_parts(),
+                                        **({SpikeGuard.PART: self.spike_guard} if self.spike_guard else {})} or None)
 
 
 def build_components(config: JobConfig, world: World) -> Components:
@@ -67,8 +71,10 @@ def build_components(config: JobConfig, world: World) -> Components:
     lr_scheduler = build_lr_scheduler(optimizer, config)
     dataset = spec.build_dataset(config)
     dataloader = build_dataloader(config, world, plan, dataset)
+    rule = parse_spike_guard(config.training.spike_guard)
     return Components(spec, plan, model, param_count, params, loss_fn, optimizer, lr_scheduler, dataset, dataloader,
-                      TrainState(world.device, world.rank, world.world_size))
+                      TrainState(world.device, world.rank, world.world_size),
+                      SpikeGuard(rule, world.device) if rule is not None else None)
 
 
 def build_dataloader(config: JobConfig, world: World, plan: ParallelPlan,
@@ -82,10 +88,14 @@ def build_dataloader(config: JobConfig, world: World, plan: ParallelPlan,
                    # The loader counts micro-batches: the user's cadence is in optimizer steps.
                    "snapshot_every_n_steps": snapshot_every_n_steps(config) * plan.micro_batches_per_rank}
     if isinstance(dataset, WindowStream):  # data.streaming: file position and shuffle buffers are saved
+        if config.metrics.log_samples:
+            raise ConfigError("config metrics.log_samples records the keys of a map-style dataset's samples, and a "
+                              "streaming source (data.streaming) has none; turn one of them off")
         return StreamingDataLoader(dataset, **loader_args)
     if data.streaming:
         raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
     # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
-    return ResumableDataLoader(with_worker_rng(dataset, data.capture_worker_rng), **loader_args,
+    keyed = with_sample_keys(dataset) if config.metrics.log_samples else dataset
+    return ResumableDataLoader(with_worker_rng(keyed, data.capture_worker_rng), **loader_args,
                                on_num_workers_change=data.on_num_workers_change,
                                batch_sampler=plan.batch_sampler(dataset))

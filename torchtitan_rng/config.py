@@ -82,6 +82,17 @@ class Training:
                                       "mode)", choices=("float32", "bfloat16"))
     mixed_precision_reduce: str = _key("float32", "the dtype gradients are reduced in across processes (FSDP2)",
                                        choices=("float32",))
+    skip_steps: str = _key("", "steps that apply no update, e.g. 6,9 or 40-43 (docs/spikes.md): each still loads its "
+                           "data and draws its random numbers as if it trained, the learning-rate schedule and the "
+                           "step counters (the run's and the optimizer's) advance, the weights and the optimizer's "
+                           "moments stay; its loss-log line says \"skipped\": true. May be added at a resume (a "
+                           "note), for steps after the checkpoint")
+    spike_guard: str = _key("", "skip a step whose loss or gradient norm spikes, decided on the device (no host "
+                            "read): METRIC,RULE[,window=N][,warmup=N], METRIC loss, grad_norm or loss+grad_norm, "
+                            "RULE factor=F (value > F x the rolling mean) or zscore=Z (value > mean + Z x std); the "
+                            "rolling window (default 50) holds the last trained steps' values, and no step is judged "
+                            "before warmup (default 10) of them; a NaN or infinite value is always a spike. E.g. "
+                            "loss,factor=3 (docs/spikes.md)")
 
 
 @dataclass
@@ -166,6 +177,8 @@ class Checkpoint:
 class Metrics:
     log_freq: int = _key(10, "every N steps: the progress line and a loss-log write, when the host reads the "
                          "steps' values (also at every checkpoint, a stop and the last step)")
+    log_samples: bool = _key(False, "write the sample keys of every micro-batch into each loss-log line (\"samples\", "
+                             "rank-major), gathered at the log's sync points (docs/spikes.md)")
 
 
 @dataclass
@@ -409,6 +422,10 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
+    parse_skip_steps(config.training.skip_steps)
+    if parse_spike_guard(config.training.spike_guard) and not (config.metrics.log_samples or config.data.streaming):
+        raise ConfigError("config training.spike_guard records the samples of each step it skips: add "
+                          "--metrics.log_samples (a streaming source, data.streaming, has none to record)")
     _validate_key_list(config, "checkpoint.allow_config_change", config.checkpoint.allow_config_change)
 
 
@@ -435,6 +452,83 @@ def parse_perturb_rng(value: str) -> tuple[str, int, int]:
     return stream, rank, step
 
 
+_SKIP_ITEM = re.compile(r"^(?P<first>\d+)(?:-(?P<last>\d+))?$")
+
+
+def parse_skip_steps(value: str) -> frozenset[int]:
+    """The steps of training.skip_steps = "6,9,40-43" (empty: none); a ConfigError in one line when malformed."""
+    steps: set[int] = set()
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        match = _SKIP_ITEM.match(item)
+        first = int(match.group("first")) if match else 0
+        last = int(match.group("last") or first) if match else 0
+        if not match or first < 1 or last < first:
+            raise ConfigError(f"config training.skip_steps = {value!r} is not valid ({item!r}); use steps and "
+                              "ranges FIRST-LAST >= 1 separated by commas, e.g. 6,9,40-43")
+        steps.update(range(first, last + 1))
+    return frozenset(steps)
+
+
+def format_skip_steps(steps: frozenset[int] | set[int]) -> str:
+    """The canonical spelling of a set of steps: sorted, runs as ranges ("6,9,40-43")."""
+    items, ordered = [], sorted(steps)
+    start = 0
+    for i, step in enumerate(ordered):
+        if i + 1 == len(ordered) or ordered[i + 1] != step + 1:
+            first = ordered[start]
+            items.append(str(first) if first == step else f"{first}-{step}")
+            start = i + 1
+    return ",".join(items)
+
+
+GUARD_METRICS = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """training.spike_guard, parsed: which values, which test, over how many trained steps."""
+
+    metrics: tuple[str, ...]
+    rule: str  # "factor" or "zscore"
+    threshold: float
+    window: int = 50
+    warmup: int = 10
+
+
+def parse_spike_guard(value: str) -> SpikeRule | None:
+    """training.spike_guard = "loss,factor=3,window=50,warmup=10" (empty: None); a ConfigError in one line when
+    malformed."""
+    if not value.strip():
+        return None
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config training.spike_guard = {value!r} is not valid ({why}); use METRIC,RULE"
+                           "[,window=N][,warmup=N] with METRIC loss, grad_norm or loss+grad_norm and RULE factor=F "
+                           "or zscore=Z, e.g. loss,factor=3")
+
+    metric, *options = (part.strip() for part in value.split(","))
+    metrics = tuple(metric.split("+"))
+    if not metric or any(m not in GUARD_METRICS for m in metrics) or len(set(metrics)) != len(metrics):
+        raise bad(f"metric {metric!r}")
+    fields: dict[str, str] = {}
+    for option in options:
+        name, _, number = option.partition("=")
+        if name not in ("factor", "zscore", "window", "warmup") or name in fields or not number:
+            raise bad(repr(option))
+        fields[name] = number
+    rules = [name for name in ("factor", "zscore") if name in fields]
+    if len(rules) != 1:
+        raise bad("give one rule, factor=F or zscore=Z")
+    try:
+        threshold = float(fields[rules[0]])
+        window, warmup = int(fields.get("window", 50)), int(fields.get("warmup", 10))
+    except ValueError:
+        raise bad("a number that does not read as one") from None
+    if not threshold > 0 or not 2 <= warmup <= window:
+        raise bad("the rule's number must be > 0 and 2 <= warmup <= window")
+    return SpikeRule(metrics, rules[0], threshold, window, warmup)
+
+
 def parse_args(argv: list[str]) -> JobConfig:
     """Defaults, then the TOML file named by --job.config_file, then every other override."""
     pairs = _split_cli(argv)
@@ -448,6 +542,18 @@ def parse_args(argv: list[str]) -> JobConfig:
                 _set(config, f"{section_name}.{key}", raw, from_cli=False)
     for name, raw in pairs:
         _set(config, name, raw, from_cli=True)
+    validate(config)
+    return config
+
+
+def from_values(values: dict[str, Any]) -> JobConfig:
+    """The config a run record holds (``section.key``: its JSON value); keys this version does not know are left
+    at their defaults."""
+    config = JobConfig()
+    known = {key.dotted for key in describe_keys()}
+    for dotted, raw in values.items():
+        if dotted in known:
+            _set(config, dotted, raw, from_cli=False)
     validate(config)
     return config
 

@@ -15,6 +15,11 @@ Points, in the order a step meets them:
 * ``save_renamed``  ``step-STEP`` is in place; older checkpoints are not pruned yet
 * ``prune``         pruning after the save of STEP: the first old checkpoint is moved aside, not deleted
 
+and one that fires no signal: ``loss_spike`` multiplies every micro-batch loss of STEP on RANK by
+``LOSS_SPIKE_FACTOR`` (its gradients too), as a batch of broken samples would: a spike for the spike guard
+(``training.spike_guard``) to find. It changes nothing else of the step (data, random draws), and holds on
+every run the variable is set in, a resumed one included.
+
 Each armed entry fires once. Unset (the normal case), the trainer builds no injector and hands none to
 the checkpoint manager: the production save path does not know this module.
 """
@@ -25,13 +30,15 @@ import io
 import os
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
-POINTS = ("before_step", "save_writing", "save_written", "save_renamed", "prune")
+POINTS = ("before_step", "save_writing", "save_written", "save_renamed", "prune", "loss_spike")
+LOSS_SPIKE_FACTOR = 1000.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,12 @@ class FaultInjector:
         faults = self._armed.get((point, step), [])
         while faults:
             os.kill(os.getpid(), faults.pop(0).signum)
+
+    def loss_fn(self, loss_fn: Callable[..., torch.Tensor], step: int) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` for ``step`` on this rank: scaled by LOSS_SPIKE_FACTOR where ``loss_spike`` is armed."""
+        if not self._armed.get(("loss_spike", step)):
+            return loss_fn
+        return lambda *args: loss_fn(*args) * LOSS_SPIKE_FACTOR
 
     def save_planner(self, step: int) -> DefaultSavePlanner | None:
         """The planner for ``dcp.save`` when ``save_writing`` is armed for this step, else None (DCP's own)."""

@@ -5,9 +5,11 @@ a float32 loss (exactly representable as a double) bit for bit. A resumed run ap
 appears twice (a run redone after a crash), the later line counts.
 
 Records may hold 0-d device tensors: the writer keeps them until :meth:`LossLogWriter.flush`, which reads
-them all in one device-to-host copy, so a step costs no host synchronisation. The trainer flushes before
-every checkpoint, so a run killed between two flushes loses only steps after its last checkpoint, which the
-resume recomputes; a run that fails with an error writes its queued steps when the writer is closed.
+them all in one device-to-host copy, so a step costs no host synchronisation. A bool tensor is a flag (the
+spike guard's ``"skipped"``): written as ``true`` when set, left out when not, as a host ``True`` would be.
+The trainer flushes before every checkpoint, so a run killed between two flushes loses only steps after its
+last checkpoint, which the resume recomputes; a run that fails with an error writes its queued steps when the
+writer is closed.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ class LossLogWriter:
         """Queue a step's record; nothing is read from the device until :meth:`flush`."""
         self.pending.append(record)
 
-    def flush(self) -> dict[str, Any] | None:
-        """Write the queued records (fsynced) and return the last one as written; None when none was queued."""
+    def flush(self) -> list[dict[str, Any]]:
+        """Write the queued records (fsynced) and return them as written."""
         if not self.pending:
-            return None
+            return []
         import torch  # here, not at the top: compare_losses reads logs without paying torch's import
 
         tensors = [value for record in self.pending for value in record.values() if isinstance(value, torch.Tensor)]
@@ -80,6 +82,13 @@ class LossLogWriter:
                       if tensors else [])
         written = [{key: next(values) if isinstance(value, torch.Tensor) else value for key, value in record.items()}
                    for record in self.pending]
+        for record, queued in zip(written, self.pending):
+            for key in [key for key, value in queued.items()
+                        if isinstance(value, torch.Tensor) and value.dtype == torch.bool]:
+                if record[key]:
+                    record[key] = True
+                else:
+                    del record[key]
         self.pending = []
         data = memoryview("".join(json.dumps(record) + "\n" for record in written).encode())
         try:
@@ -92,7 +101,7 @@ class LossLogWriter:
             raise LossLogError(f"{self.path}: the disk is full ({err.strerror}); free space and run the same "
                                "command again: it resumes from the last checkpoint and writes these steps "
                                "again") from None
-        return written[-1]
+        return written
 
     def close(self) -> None:
         """Write what is still queued, then close: a run that fails between two sync points (a NaN, an

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from torchtitan_rng import skips
 from torchtitan_rng.checkpoint import layout, run_record
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.train_state import TrainState
@@ -69,6 +70,7 @@ def resolved(config: JobConfig) -> dict[str, Any]:
     """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
     values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
     values[run_record.HORIZON_KEY] = lr_total_steps(config)
+    values[skips.KEY] = skips.canonical(config.training.skip_steps)
     return values
 
 
@@ -125,6 +127,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     keep_loader = plan.loads_dataloader and not vetted.reseed
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
                                                      *([] if keep_loader else [layout.DATALOADER])])
+    skips.refuse_past_steps(config, run_record.read_record(path), path, train_state.step)
     last_step = config.training.steps
     layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                                   if checkpointer.should_save(step, last_step)])

@@ -34,6 +34,9 @@ from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.metrics import ProgressReporter
 from torchtitan_rng.optimizer import hyperparameters_from_config
 from torchtitan_rng.rng import preserved_global_rng
+from torchtitan_rng.sample_log import SampleLog
+from torchtitan_rng.skips import apply_update, skipped_steps
+from torchtitan_rng.spike_guard import decisions
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -87,6 +90,7 @@ class Trainer:
         self.probe = StreamProbe(config, self.plan, rank=world.rank, world_size=world.world_size,
                                  dataloader=parts.dataloader)
         self.faults = FaultInjector.from_env(world.rank)
+        self.skipped_steps = skipped_steps(config)
         self.checkpointer = CheckpointManager(
             self.dump_folder / config.checkpoint.folder,
             parts.checkpoint_parts(),
@@ -138,6 +142,8 @@ class Trainer:
             return
 
         data_iter = iter(self.parts.dataloader)
+        samples = SampleLog(world.rank, world.world_size) if config.metrics.log_samples else None
+        batches = samples.batches(data_iter) if samples is not None else data_iter
         # The global streams, last thing before the first step: after model build, the loader's iterator and
         # everything else that runs once at start-up, so that none of it shifts them.
         resume.start_streams(self.stream_plan, train_state, config.debug.seed, world.rank)
@@ -158,7 +164,7 @@ class Trainer:
             fingerprints = self.probe.at_boundary(step, data_iter)  # {} unless debug.rng_fingerprint is on
             if self.faults is not None:
                 self.faults.at("before_step", step)
-            record = self._step(step, data_iter)
+            record = self._step(step, batches)
             train_state.step = step
             # Every step, with no blocking read: a signal on any rank stops every rank at the same boundary.
             stop = self.stop_vote.poll(signals.received() is not None)
@@ -166,11 +172,18 @@ class Trainer:
             # (so a kill loses only steps the resume redoes) and at the last step.
             sync_point = (stop or step % config.metrics.log_freq == 0 or step == last_step
                           or self.checkpointer.should_save(step, last_step))
-            written = None
+            line = {**record, **fingerprints}
+            if samples is not None:  # every rank: the keys are gathered at sync points
+                samples.step_done(step, line)
+                if sync_point:
+                    samples.sync()
+            written: list[dict[str, Any]] = []
             if loss_log is not None:
-                loss_log.write({**record, **fingerprints})
-                written = loss_log.flush() if sync_point else None
-            progress.step_done(step, written or record)  # it prints only at sync points, from what was written
+                loss_log.write(line)
+                written = loss_log.flush() if sync_point else []
+                for message in decisions(written, self.skipped_steps):
+                    self._log(message)
+            progress.step_done(step, written[-1] if written else record)  # it prints only at sync points
             self.checkpointer.save(step, last_step=last_step, force=stop)
             if stop:
                 stopped_at = step
@@ -185,17 +198,26 @@ class Trainer:
                       f"{preflight.how_to_resume(config)}")
 
     def _step(self, step: int, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
-        """One optimizer step; returns its loss-log record."""
+        """One optimizer step; returns its loss-log record. A skipped step (training.skip_steps, skips.py) loads,
+        draws and computes as a trained one, and only its update is left out."""
         config, parts = self.config, self.parts
         parts.optimizer.zero_grad(set_to_none=True)
-        loss = self.plan.forward_backward(parts.model, parts.params, batches, parts.loss_fn, step)
+        loss_fn = self.faults.loss_fn(parts.loss_fn, step) if self.faults is not None else parts.loss_fn
+        loss = self.plan.forward_backward(parts.model, parts.params, batches, loss_fn, step)
         grad_norm = _clip_grad_norm(parts.params, config.training.max_norm)
         lr = parts.lr_scheduler.get_last_lr()[0]
-        parts.optimizer.step()
-        parts.lr_scheduler.step()
         record: dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
         }
+        given = step in self.skipped_steps
+        if parts.spike_guard is None and not given:
+            parts.optimizer.step()
+        else:  # decided on the device; the loss log reads it at its next sync point (a bool: see loss_log.py)
+            skip = (parts.spike_guard.judge({"loss": loss, "grad_norm": grad_norm}, given)
+                    if parts.spike_guard is not None else torch.tensor(True, device=self.world.device))
+            apply_update(parts.optimizer, skip)
+            record["skipped"] = skip
+        parts.lr_scheduler.step()  # on the same curve either way
         if parts.spec.validate is not None and config.validation.enable and step % config.validation.freq == 0:
             with preserved_global_rng(self.world.device):
                 record.update(parts.spec.validate(parts.model, config, step, self.dump_folder, self.world.device))

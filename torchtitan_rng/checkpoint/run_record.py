@@ -10,6 +10,7 @@ means ``training.steps``, so the horizon is compared, not the spelling: stopping
 10 --lr_scheduler.total_steps 20`` and resuming with ``--training.steps 20`` changes nothing.
 
 * Quiet: keys that cannot change the trajectory (``QUIET``).
+* Named: keys a resume may change with a note (``NAMED``), e.g. ``training.skip_steps``.
 * Refused by default: every other key, and the data's content. One line per key (saved and new value,
   what to do); ``checkpoint.allow_config_change KEY,...`` turns a key's refusal into a WARNING.
 * A checkpoint without ``run.json`` (an older version): a WARNING, resumed as before.
@@ -43,6 +44,11 @@ QUIET = (
     "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
     "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
 )
+# Keys whose change a resume names (a note) instead of refusing: the change is what the user came to make, and
+# the resumed steps are then exactly those of a run launched with the new value (why, for each).
+NAMED = {
+    "training.skip_steps": "steps after the checkpoint are skipped as in a run launched with this value",
+}
 # Compared through the data fingerprint: the same file under another path changes nothing.
 _DATA_KEY = "training.dataset_path"
 HORIZON_KEY = "lr_scheduler.total_steps"  # compared resolved (0 means training.steps)
@@ -163,7 +169,9 @@ def check_resume(checkpoint: Path, saved: dict[str, Any] | None, current: dict[s
     warnings: list[str] = []
     refused: list[str] = []
     for change in differences(saved, current):
-        if opt_in.allows(change.key, allowed):
+        if change.key in NAMED:
+            warnings.append(f"note: {change.describe(checkpoint)}; going on with the new value: {NAMED[change.key]}")
+        elif opt_in.allows(change.key, allowed):
             warnings.append(f"WARNING: {change.describe(checkpoint)}; going on as {opt_in.name} "
                             f"allows {change.key}: this run is no longer the one that was stopped")
         else:

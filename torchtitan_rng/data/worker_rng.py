@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import Stateful
 
+from torchtitan_rng.data.sample_keys import KeyedDataset
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.rng import restore_host_rng
 
@@ -167,7 +168,9 @@ class WorkerRNGDataset(Dataset):
 
 def uses_global_rng(dataset: Dataset) -> bool:
     """False for datasets declared form 1 (they derive all randomness from sample keys)."""
-    inner = dataset.dataset if isinstance(dataset, WorkerRNGDataset) else dataset
+    inner = dataset
+    while isinstance(inner, (WorkerRNGDataset, KeyedDataset)):  # wrappers of ours add no randomness
+        inner = inner.dataset
     return not isinstance(inner, SampleRandomDataset)
 
 

@@ -50,6 +50,19 @@ class DataParallelPlan(ParallelPlan):
         raise CheckpointError(f"checkpoint {info.path} was saved by {saved} processes and this run has {world_size}: "
                               f"it cannot resume exactly;{alternative} run with {saved} processes")
 
+    @classmethod
+    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
+        """Each rank's sampler stands where ``step - 1`` steps of ``accumulation`` batches left it (per-rank
+        positions run on across epochs, as in :class:`ResumableBatchSampler`)."""
+        accumulation, batch_size = gradient_accumulation_steps(config, world_size), config.training.local_batch_size
+        keys: list[list[int]] = []
+        for rank in range(world_size):
+            sampler = ResumableBatchSampler(num_samples, batch_size, rank, world_size, config.debug.seed)
+            epoch, position = divmod((step - 1) * accumulation * batch_size, num_samples // world_size)
+            sampler.load_state_dict({"epoch": epoch, "position": position})
+            keys += [next(sampler) for _ in range(accumulation)]
+        return keys
+
     def prepare_process(self) -> None:
         if self.config.debug.deterministic:
             device_lib.use_deterministic_algorithms()

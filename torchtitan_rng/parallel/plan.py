@@ -61,6 +61,13 @@ class ParallelPlan(ABC):
         (the process count changed and ``on_world_size_change="reseed"`` allows it; None: no such option is
         offered), False for an exact resume."""
 
+    @classmethod
+    @abstractmethod
+    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
+        """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
+        ``num_samples`` samples per epoch, rank-major (as ``metrics.log_samples`` writes them), from the config
+        alone."""
+
     @abstractmethod
     def prepare_process(self) -> None:
         """Process-wide settings every computation of the run depends on (kernels, threads)."""

@@ -41,6 +41,14 @@ class InvariantPlan(ParallelPlan):
         check_checkpoint_mode(info, invariant=True)
         return False  # any process count continues it exactly
 
+    @classmethod
+    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
+        """Global slots in order, the same at any process count."""
+        micro_batches = setup.check_batch_layout(config, 1)
+        sampler = GlobalBatchSampler(num_samples, config.training.local_batch_size, micro_batches, 0, 1,
+                                     config.debug.seed)
+        return [sampler.keys_of(step - 1, slot) for slot in range(micro_batches)]
+
     def prepare_process(self) -> None:
         setup.use_fixed_kernels()
 

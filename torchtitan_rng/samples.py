@@ -1,0 +1,105 @@
+"""Which samples made step K of a run: ``python -m torchtitan_rng.samples RUN --step K [--json]``.
+
+Nothing is trained or loaded but JSON and checkpoint metadata: a map-style run's order is a function of its seed,
+epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of every micro-batch of a step follow from
+the config its checkpoints record (``run.json``), the number of samples per epoch (recorded with the data) and,
+in the ordinary mode, the process count that saved them. The output is what ``metrics.log_samples`` writes in the
+loss log: one list of keys per micro-batch, rank-major; a key is ``epoch * samples_per_epoch + index``.
+
+What it cannot answer it refuses in one line (exit 2): a run without a checkpoint (no record of its config), a
+streaming source (no index), checkpoints that disagree on what sets the order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchtitan_rng.checkpoint import layout, run_record
+from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.config import from_values
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
+from torchtitan_rng.parallel import plan_class
+
+# What sets the order of a map-style run's samples: every checkpoint of the run must agree on these.
+_ORDER_KEYS = ("debug.seed", "training.local_batch_size", "training.global_batch_size", "data.num_samples",
+               "parallelism.world_size_invariant", "data.streaming", "model.name")
+
+
+def run_checkpoints(run: Path) -> list[Path]:
+    """The complete checkpoints of the run (its checkpoint folder is a folder of ``step-N`` folders in RUN)."""
+    found = []
+    for folder in sorted(path for path in [run, *run.iterdir()] if path.is_dir()):
+        found += [layout.step_dir(folder, step) for step in layout.complete_steps(folder)]
+    return found
+
+
+def _order_of(checkpoint: Path) -> tuple[dict[str, Any], Any, int | None]:
+    record = run_record.read_record(checkpoint)
+    if record is None:
+        raise ConfigError(f"checkpoint {checkpoint} holds no {run_record.RECORD_NAME} (saved by an older version): "
+                          "the config that orders its samples is unknown")
+    return record["config"], record.get("data"), inspect_checkpoint(checkpoint).saved_world_size
+
+
+def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int]:
+    """(keys of each micro-batch of ``step``, samples per epoch, processes) of the run in dump folder ``run``."""
+    if not run.is_dir():
+        raise ConfigError(f"{run} is not a folder; give the run's dump folder (job.dump_folder)")
+    if step < 1:
+        raise ConfigError(f"--step {step}: steps count from 1")
+    checkpoints = run_checkpoints(run)
+    if not checkpoints:
+        raise ConfigError(f"{run} holds no complete checkpoint, whose {run_record.RECORD_NAME} records the config "
+                          "that orders the samples; run with --checkpoint.enable (or read the keys that "
+                          "--metrics.log_samples wrote into the loss log)")
+    orders = [(checkpoint, *_order_of(checkpoint)) for checkpoint in checkpoints]
+    newest, values, data, world_size = orders[-1]
+    for checkpoint, other, other_data, other_world in orders[:-1]:
+        differing = [key for key in _ORDER_KEYS if other.get(key) != values.get(key)]
+        if other_data != data:
+            differing.append("the data")
+        if other_world != world_size and not values.get("parallelism.world_size_invariant"):
+            differing.append(f"the process count ({other_world}, then {world_size})")
+        if differing:
+            raise ConfigError(f"checkpoints {checkpoint} and {newest} differ in {', '.join(differing)}: the order of "
+                              "the samples changed during the run and cannot be rebuilt from its record")
+    if values.get("data.streaming"):
+        raise ConfigError("this run reads a streaming source (data.streaming): its samples have no index to list; "
+                          "the order follows from the file and its shuffle buffers, not from the config")
+    if "dataloader" in (values.get("checkpoint.exclude_from_loading") or []):
+        raise ConfigError(f"checkpoint {newest} was resumed without its dataloader (checkpoint.exclude_from_loading): "
+                          "the data position was reset then and cannot be rebuilt from the record")
+    num_samples = (data or {}).get("samples")
+    if not isinstance(num_samples, int) or world_size is None:
+        raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")
+    config = from_values(values)
+    return plan_class(config).step_sample_keys(config, num_samples, world_size, step), num_samples, world_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_rng.samples",
+                                     description="Print the sample keys of every micro-batch of a step of a run.")
+    parser.add_argument("run", type=Path, help="the run's dump folder (job.dump_folder)")
+    parser.add_argument("--step", type=int, required=True, help="the step (from 1)")
+    parser.add_argument("--json", action="store_true", help="one JSON object: {\"step\": K, \"samples\": [...]}")
+    args = parser.parse_args(argv)
+    try:
+        keys, num_samples, world_size = step_samples(args.run, args.step)
+    except TorchtitanRngError as err:
+        return report(err)
+    if args.json:
+        print(json.dumps({"step": args.step, "samples": keys}))
+        return 0
+    print(f"step {args.step} of {args.run}: {len(keys)} micro-batch(es) of {len(keys[0])} samples, rank-major over "
+          f"{world_size} process(es) (key = epoch * {num_samples} + index)")
+    for number, batch in enumerate(keys):
+        print(f"micro-batch {number}: {' '.join(map(str, batch))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
