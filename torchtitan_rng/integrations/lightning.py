@@ -230,8 +230,14 @@ class _ExactRequest:
     def __init__(self, request: Callable[[], Any], seed: int | None) -> None:
         self.request, self.seed = request, seed
 
-    def __call__(self) -> _Batches:
-        return _Batches(_as_exact_loader(self.request(), self.seed))
+    def __call__(self) -> Any:
+        loaders = self.request()
+        # One loader in a list, tuple or dict: the same container, so that batches keep their shape.
+        if isinstance(loaders, (list, tuple)) and len(loaders) == 1:
+            return type(loaders)([_Batches(_as_exact_loader(loaders[0], self.seed))])
+        if isinstance(loaders, dict) and len(loaders) == 1:
+            return {key: _Batches(_as_exact_loader(loader, self.seed)) for key, loader in loaders.items()}
+        return _Batches(_as_exact_loader(loaders, self.seed))
 
 
 class _Batches:
