@@ -8,6 +8,21 @@ with a checkout of Lightning at the installed version (its ``tests`` folder), fr
         tests_pytorch/checkpointing tests_pytorch/trainer/connectors/test_checkpoint_connector.py ...
 
 Without ``-p ...`` the same command runs them stock.
+
+Lightning 2.6.6 with the 2.6.5 tests (checkpointing/ but test_legacy_checkpoints.py, which needs downloaded
+checkpoints; trainer/connectors/test_checkpoint_connector.py; loops/test_loops.py, test_loop_state_dict.py,
+test_training_epoch_loop.py): stock and with the callback every test passes but these, which fail with it:
+
+* test_load_with_inf_data_loader, test_fit_loop_save_and_restore_dataloaders (6),
+  test_training_loop_dataloader_iter_multiple_dataloaders, test_resume_mid_epoch_warning: they train from an
+  IterableDataset, their own (stateful or not) iterables, or two loaders, which the callback refuses at
+  fit() start (it cannot make them exact); the last also asserts the "not resumable" warning of such a resume.
+* test_workers_are_shutdown (4): they count the worker shutdowns of their own DataLoader subclass; the callback
+  refuses a subclass (its additions would be lost) and keeps its own loader's workers across epochs, which is
+  what carries their streams.
+* test_model_checkpoint_no_extraneous_invocations: it counts every ``torch.save`` call on rank 1 and expects
+  none; the callback gathers the ranks' loader states with ``all_gather_object``, whose pickling of tensors
+  calls ``torch.save`` in memory (no file is written).
 """
 
 import functools
