@@ -1,10 +1,7 @@
 """EpochLoader, the train loader both integrations hand their framework: closing it (the end of ``train()`` /
-``fit()``) keeps its position, so a checkpoint saved after training resumes where training stopped; a pickled
-one (inside a pickled Trainer) keeps it too."""
+``fit()``) keeps its position, so a checkpoint saved after training resumes where training stopped."""
 
 from __future__ import annotations
-
-import pickle
 
 import pytest
 import torch
@@ -38,10 +35,3 @@ def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
     assert _batches(resumed, 2) == expected[3:]
     resumed.close()
 
-
-def test_a_pickled_loader_continues_where_it_was() -> None:
-    reference = exact_resume_loader(Numbers(), batch_size=2, seed=0)
-    expected = _batches(reference, 5)
-    trained = exact_resume_loader(Numbers(), batch_size=2, seed=0)
-    assert _batches(trained, 3) == expected[:3]
-    assert _batches(pickle.loads(pickle.dumps(trained)), 2) == expected[3:]

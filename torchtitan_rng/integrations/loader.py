@@ -14,7 +14,6 @@ for the whole run and shows it to the framework as epochs of ``len(self)`` batch
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any, Callable
 
@@ -59,15 +58,6 @@ class EpochLoader:
             restore_global_rng(self._pending_rng, self.device)
             self._pending_rng = None
         return next(self._iterator)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (e.g. inside a pickled Trainer): its position, not its live iterator or worker processes."""
-        state = dict(self.__dict__, _iterator=None)
-        if self.loader._iterator is not None:
-            loader = copy.copy(self.loader)
-            loader.load_state_dict(self.loader.state_dict())  # the live position, pending; no iterator
-            state["loader"] = loader
-        return state
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's loader position and global streams, as they are between two training steps."""

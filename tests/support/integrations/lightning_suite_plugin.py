@@ -22,6 +22,8 @@ event files left in the in-memory filesystem) but these, which fail with the cal
 * test_workers_are_shutdown (4): they count the worker shutdowns of their own DataLoader subclass; the callback
   refuses a subclass (its additions would be lost) and keeps its own loader's workers across epochs, which is
   what carries their streams.
+* test_model_torch_save (fails in the full run, passes alone): ``torch.save(trainer)`` after fit() reaches a live
+  single-process iterator of the exact loader, which torch cannot pickle. Not fixed.
 * test_model_checkpoint_no_extraneous_invocations: it counts every ``torch.save`` call on rank 1 and expects
   none; the callback gathers the ranks' loader states with ``all_gather_object``, whose pickling of tensors
   calls ``torch.save`` in memory (no file is written).
