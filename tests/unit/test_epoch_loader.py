@@ -34,4 +34,3 @@ def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
     resumed.load_state_dict(trained.state_dict())
     assert _batches(resumed, 2) == expected[3:]
     resumed.close()
-
