@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from torchtitan_rng.errors import ConfigError
 
@@ -72,6 +75,57 @@ def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         signal.signal(signum, _record)
     _handled.clear()
     _handled.update(wanted)
+
+
+class Scope:
+    """What :func:`handling` leaves: ``pending``, the signal the block received and did not act on."""
+
+    def __init__(self) -> None:
+        self.pending: str | None = None
+
+    def redeliver(self) -> None:
+        """Deliver ``pending`` again, to whatever handles it now (by default it ends the process)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            signal.raise_signal(getattr(signal, pending))
+
+
+@contextmanager
+def handling(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS, *, redeliver: bool = True) -> Iterator[Scope]:
+    """Handle ``names`` for the duration of the block only (a framework's ``train()``/``fit()``): the flags
+    start clear, and the handlers found on entry are back on exit, so a later run in the same process starts
+    unsignalled and a signal outside training has its usual effect. A signal the block did not act on (see
+    :func:`acknowledge`) is delivered again to the restored handler when the block ends without an error
+    (``redeliver=False``: left in the scope's ``pending`` for the caller to redeliver later): by default it
+    ends the process, so a run never exits 0 as if finished when a stop was asked and not checkpointed.
+    Main thread only (as ``signal.signal``)."""
+    numbers = signal_numbers(names)
+    previous: dict[int, Any] = {signum: signal.getsignal(signum) for signum in numbers}
+    handled, received = set(_handled), list(_received)
+    _received.clear()
+    for signum in numbers:
+        signal.signal(signum, _record)
+    _handled.clear()
+    _handled.update(numbers)
+    scope = Scope()
+    failed = True
+    try:
+        yield scope
+        failed = False
+    finally:
+        scope.pending = _received[0] if _received and not failed else None
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _handled.clear()
+        _handled.update(handled)
+        _received[:] = received
+        if redeliver:
+            scope.redeliver()
+
+
+def acknowledge() -> None:
+    """The signals received so far have been acted on (a checkpoint saved, the run stopping)."""
+    _received.clear()
 
 
 def ignore_checkpoint_signals(worker_id: int = 0) -> None:

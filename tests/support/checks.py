@@ -64,3 +64,20 @@ def rewrite_checkpoint(ckpt: Path, tmp_path: Path, edit: Callable[[dict[str, Any
         edit(state)
         shutil.rmtree(ckpt)
         dcp.save(state, checkpoint_id=str(ckpt))
+
+
+def assert_same_tensors(a: Any, b: Any, where: str = "") -> None:
+    """Equal structure, equal values, every tensor equal byte for byte (checkpoint contents)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, f"{where}: tensor kinds differ"
+        assert a.numpy().tobytes() == b.numpy().tobytes(), f"{where}: tensor bits differ"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -1,6 +1,6 @@
 """Exact resume for the HuggingFace ``transformers.Trainer`` (extra ``hf``: transformers 5.23, accelerate 1.15).
 
-``ExactResumeTrainer`` is the Trainer with three changes:
+``ExactResumeTrainer`` is the Trainer with these changes:
 
 * its train loader is an :class:`~torchtitan_rng.integrations.loader.EpochLoader` (not passed through
   accelerate, so no ``DataLoaderShard`` reading a batch ahead; a generator of its own, so starting an
@@ -9,69 +9,136 @@
   process's global streams (Python, NumPy, torch CPU, its accelerator) at the step boundary. A resumed
   run loads it instead of skipping batches, and the streams go back right before the first batch of the
   resumed epoch is fetched (the stock Trainer restores them after fetching it);
-* SIGTERM / SIGUSR1 set a flag; at the next optimizer step all processes agree (one all-reduce), save a
-  checkpoint at that step and stop.
+* evaluation runs under preserved streams: evaluating at a step (an ``eval_steps`` step, the evaluation
+  at the end of ``max_steps``) moves no training stream, so a checkpoint saved after it resumes exactly;
+* during ``train()`` only, SIGTERM / SIGUSR1 set a flag; at the next optimizer step all processes agree
+  (one all-reduce), save a checkpoint at that step and stop. The handlers found before ``train()`` are
+  back after it. This trainer is the one owner of SIGTERM: with ``enable_jit_checkpoint=True`` the stock
+  JIT checkpoint's SIGTERM handler (which saves in the middle of a step, on each process on its own) is
+  taken back; its callback stays, inert.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 from typing import Any
 
 import torch
 import transformers
 from torch.utils.data import IterableDataset
+from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 
+from torchtitan_rng import signals
 from torchtitan_rng.distributed import StopVote
+from torchtitan_rng.errors import ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
-from torchtitan_rng import signals
+from torchtitan_rng.rng import preserved_global_rng
 
 check_tested_version("transformers")
 check_tested_version("accelerate")
 
 STATE_FILE = "exact_resume_rank{rank}.pt"
+SAMPLING_STRATEGIES = {"random": True, "sequential": False}  # train_sampling_strategy -> shuffle
+log = logging.getLogger(__name__)
 
 
-class _SaveAndStopOnSignal(transformers.TrainerCallback):
-    """After each optimizer step: if any process got a checkpoint signal, all save and stop at the same step
-    (the one after the signal's with several processes: the vote never waits)."""
+class _ExactResumeCallback(transformers.TrainerCallback):
+    """After each optimizer step: the logged epoch of a resumed epoch as the uninterrupted run logs it; if any
+    process got a checkpoint signal, all save and stop at the same step (the one after the signal's with
+    several processes: the vote never waits)."""
 
     def __init__(self) -> None:
         self.vote: StopVote | None = None
+        self.stopping = False
+        # (epoch, optimizer steps per epoch, micro-batches per epoch) while in a resumed epoch.
+        self.resumed_epoch: tuple[int, int, int] | None = None
 
     def on_train_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                        control: transformers.TrainerControl, **kwargs: Any) -> None:
         self.vote = StopVote()  # every process starts training here, with its process group up
+        self.stopping = False
 
     def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                     control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.resumed_epoch is not None:
+            # The stock formula, epoch + micro-batches done / per epoch, counting those before the resume.
+            epoch, updates, batches = self.resumed_epoch
+            done = min((state.global_step - epoch * updates) * args.gradient_accumulation_steps, batches)
+            state.epoch = epoch + done / batches
         if self.vote is not None and self.vote.poll(signals.received() is not None):
-            control.should_save = True
-            control.should_training_stop = True
+            self.vote.close()  # the vote cast with it: the same signal, acted on now
+            self.vote = None
+            self.stopping = control.should_save = control.should_training_stop = True
+
+    def on_epoch_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: Any) -> None:
+        self.resumed_epoch = None
+
+    def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.stopping:
+            signals.acknowledge()
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: Any) -> None:
+        # A signal voted on at the last step stays unacknowledged: train() ends by delivering it again.
         if self.vote is not None:
             self.vote.close()  # every process has one vote in flight
         self.vote = None
+        self.resumed_epoch = None
 
 
 class ExactResumeTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose runs resume bit for bit; same constructor and ``train()``.
 
     Needs a map-style ``train_dataset`` and checkpoints with optimizer state (``save_only_model=False``).
-    The sampler's permutation per epoch derives from ``args.data_seed`` (or ``args.seed``).
+    The sampler's permutation per epoch derives from ``args.data_seed`` (or ``args.seed``);
+    ``train_sampling_strategy`` ``"random"`` or ``"sequential"``.
+
+    Keyword arguments beyond the Trainer's:
+        on_stock_checkpoint: ``"error"`` (default): a checkpoint written by the stock Trainer is refused;
+            ``"warn"``: it is resumed once, inexactly (its global streams, the loader at its step, fresh
+            worker streams), with one WARNING; the checkpoints saved from then on resume exactly.
+        on_num_workers_change: ``"error"`` (default) or ``"warn"``: resuming with another
+            ``dataloader_num_workers`` than the checkpoint's, for a dataset that may draw from the global
+            streams, is refused, or continues inexactly with one WARNING.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_stock_checkpoint: str = "error", on_num_workers_change: str = "error",
+                 **kwargs: Any) -> None:
+        for name, value in (("on_stock_checkpoint", on_stock_checkpoint),
+                            ("on_num_workers_change", on_num_workers_change)):
+            if value not in ("error", "warn"):
+                raise ConfigError(f'ExactResumeTrainer {name}={value!r}: use "error" or "warn"')
         super().__init__(*args, **kwargs)
         if self.args.save_only_model:
             raise ValueError("ExactResumeTrainer needs save_only_model=False: a checkpoint without optimizer "
                              "and loader state cannot resume exactly")
-        signals.install()
-        self.add_callback(_SaveAndStopOnSignal())
+        if self.args.train_sampling_strategy not in SAMPLING_STRATEGIES:
+            raise ConfigError(f"ExactResumeTrainer train_sampling_strategy={self.args.train_sampling_strategy!r}: "
+                             f"its loader samples {' or '.join(map(repr, SAMPLING_STRATEGIES))} only; use one of them")
+        self.on_stock_checkpoint = on_stock_checkpoint
+        self.on_num_workers_change = on_num_workers_change
+        self._take_sigterm_from_jit_checkpoint()
+        self._exact = _ExactResumeCallback()
+        # First: every other callback (and the log) sees the epoch it corrects at each step's end.
+        self.callback_handler.callbacks.insert(0, self._exact)
         self._exact_loader: EpochLoader | None = None
+
+    def _take_sigterm_from_jit_checkpoint(self) -> None:
+        """One owner of SIGTERM: this trainer (an agreed step, every process, between steps). The stock JIT
+        callback stays in the list, as code that looks for it expects, with its SIGTERM handler (installed when
+        the Trainer was built) taken back: only that handler ever asks it for a checkpoint."""
+        for callback in self.callback_handler.callbacks:
+            manager = getattr(callback, "jit_manager", None) if isinstance(callback, JITCheckpointCallback) else None
+            if manager is not None:
+                signal.signal(signal.SIGTERM, manager._original_sigterm_handler or signal.SIG_DFL)
+                manager._original_sigterm_handler = None  # nothing for it to put back at the end of training
+                log.warning("enable_jit_checkpoint: ExactResumeTrainer saves on SIGTERM itself, at a step every "
+                            "process agrees on; the stock JIT checkpoint's SIGTERM handler is not installed")
 
     def get_train_dataloader(self) -> EpochLoader:  # type: ignore[override]
         dataset = self.train_dataset
@@ -88,15 +155,24 @@ class ExactResumeTrainer(transformers.Trainer):
         self._exact_loader = exact_resume_loader(
             dataset, batch_size=self._train_batch_size, seed=seed, num_workers=self.args.dataloader_num_workers,
             collate_fn=collator, prefetch_factor=self.args.dataloader_prefetch_factor or 2, device=self.args.device,
+            shuffle=SAMPLING_STRATEGIES[self.args.train_sampling_strategy],
+            on_num_workers_change=self.on_num_workers_change,
         )
         return self._exact_loader
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().train(*args, **kwargs)
+            with signals.handling():
+                return super().train(*args, **kwargs)
         finally:
             if self._exact_loader is not None:
                 self._exact_loader.close()
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock evaluation, leaving every global stream as it found it (an evaluation loader without a
+        generator of its own draws from torch's, and a model may draw in eval mode)."""
+        with preserved_global_rng(self.args.device):
+            return super().evaluate(*args, **kwargs)
 
     def _run_epoch(self, **kwargs: Any) -> Any:
         """The resumed epoch: load the loader and streams, then run only the batches the epoch has left
@@ -104,14 +180,16 @@ class ExactResumeTrainer(transformers.Trainer):
         checkpoint = kwargs["resume_from_checkpoint"]
         if checkpoint is not None and kwargs["epoch"] == kwargs["epochs_trained"]:
             assert self._exact_loader is not None
-            self._exact_loader.load_state_dict(self._read_rank_state(checkpoint))
             accumulation = self.args.gradient_accumulation_steps
-            done = (self.state.global_step % kwargs["num_update_steps_per_epoch"]) * accumulation
+            updates = kwargs["num_update_steps_per_epoch"]
+            done = (self.state.global_step % updates) * accumulation
+            self._resume_loader(checkpoint)
+            self._exact.resumed_epoch = (kwargs["epoch"], updates, kwargs["steps_in_epoch"])
             kwargs.update(
                 resume_from_checkpoint=None,
                 steps_trained_in_current_epoch=0,
                 steps_in_epoch=kwargs["steps_in_epoch"] - done,
-                num_update_steps_per_epoch=kwargs["num_update_steps_per_epoch"] - done // accumulation,
+                num_update_steps_per_epoch=updates - done // accumulation,
             )
         return super()._run_epoch(**kwargs)
 
@@ -124,11 +202,24 @@ class ExactResumeTrainer(transformers.Trainer):
         torch.save(self._exact_loader.state_dict(), path + ".tmp")
         os.replace(path + ".tmp", path)
 
-    def _read_rank_state(self, checkpoint: str) -> dict[str, Any]:
+    def _resume_loader(self, checkpoint: str) -> None:
+        assert self._exact_loader is not None
         path = os.path.join(checkpoint, STATE_FILE.format(rank=self.args.process_index))
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{checkpoint} has no {os.path.basename(path)}: it was not written by ExactResumeTrainer with "
-                f"{self.args.world_size} process(es); resume it with that many processes, or with the stock Trainer"
+        if os.path.isfile(path):
+            self._exact_loader.load_state_dict(torch.load(path, weights_only=True))
+            return
+        stock = any(name.startswith("rng_state") for name in os.listdir(checkpoint))
+        if not stock or self.on_stock_checkpoint == "error":
+            raise ConfigError(
+                f"{checkpoint} has no {os.path.basename(path)}: "
+                + ("it was written by the stock Trainer; pass ExactResumeTrainer(..., on_stock_checkpoint=\"warn\") "
+                   "to resume it once, inexactly" if stock else
+                   f"it was not written by ExactResumeTrainer with {self.args.world_size} process(es); resume it "
+                   "with that many processes")
             )
-        return torch.load(path, weights_only=True)
+        if self.args.process_index == 0:
+            log.warning("resuming %s, written by the stock Trainer, inexactly (on_stock_checkpoint=\"warn\"): its "
+                        "global streams and the loader at its step, fresh worker streams; checkpoints saved from "
+                        "now on resume exactly", checkpoint)
+        self._exact_loader.skip(self.state.global_step * self.args.gradient_accumulation_steps)
+        self._load_rng_state(checkpoint)

@@ -77,25 +77,42 @@ class EpochLoader:
         self.loader.load_state_dict(state["loader"])
         self._pending_rng = state["rng"]
 
+    def skip(self, batches: int) -> None:
+        """Start ``batches`` batches later, without fetching them (resuming a checkpoint that has no loader state,
+        inexactly: the sampler's position only)."""
+        if self._iterator is not None:
+            raise RuntimeError("EpochLoader.skip must come before the loader is iterated")
+        for _ in range(batches):
+            next(self.loader.batch_sampler)
+
     def close(self) -> None:
         """Stop the worker processes now. The loader keeps its live iterator (for ``state_dict``), so dropping
-        ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals."""
+        ours does not end them, and exit-time termination cannot: they ignore the checkpoint signals. Its
+        position stays: a checkpoint saved after training (e.g. ``trainer.save_checkpoint`` after ``fit()``)
+        resumes where training stopped, and iterating again continues from there."""
         self._iterator = None
+        position = self.loader.state_dict() if self.loader._iterator is not None else None
         shutdown_workers(self.loader)
+        if position is not None:
+            self.loader.load_state_dict(position)  # pending: what state_dict() returns, where iteration resumes
 
 
 def exact_resume_loader(dataset: Dataset, *, batch_size: int, seed: int, num_workers: int = 0,
                         collate_fn: Callable[[list[Any]], Any] | None = None, shuffle: bool = True,
-                        prefetch_factor: int = 2, device: torch.device | None = None) -> EpochLoader:
+                        prefetch_factor: int = 2, device: torch.device | None = None,
+                        on_num_workers_change: str = "error") -> EpochLoader:
     """The train loader for a framework: this rank's share of ``dataset`` in batches of ``batch_size``,
     a permutation per epoch derived from ``seed``, workers whose global streams are saved with it.
 
     ``device``: the device whose generator is saved with the CPU streams; default: this process's
-    (``LOCAL_RANK``) accelerator, or the CPU.
+    (``LOCAL_RANK``) accelerator, or the CPU. ``on_num_workers_change``: ``"error"`` refuses to resume a
+    checkpoint saved with another ``num_workers`` (when the dataset may draw from the global streams),
+    ``"warn"`` continues inexactly with one WARNING.
     """
     rank, world = rank_and_world_size()
     loader = build_dataloader(dataset, batch_size=batch_size, seed=seed, num_workers=num_workers, shuffle=shuffle,
-                              prefetch_factor=prefetch_factor, collate_fn=collate_fn, dp_rank=rank, dp_world=world)
+                              prefetch_factor=prefetch_factor, collate_fn=collate_fn, dp_rank=rank, dp_world=world,
+                              on_num_workers_change=on_num_workers_change)
     if device is None:
         device = device_lib.device_for_rank(int(os.environ.get("LOCAL_RANK", "0")))
     return EpochLoader(loader, (len(dataset) // world) // batch_size, device)  # type: ignore[arg-type]

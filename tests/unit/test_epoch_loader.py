@@ -1,0 +1,36 @@
+"""EpochLoader, the train loader both integrations hand their framework: closing it (the end of ``train()`` /
+``fit()``) keeps its position, so a checkpoint saved after training resumes where training stopped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from torchtitan_rng.integrations.loader import EpochLoader, exact_resume_loader
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(index)
+
+
+def _batches(loader: EpochLoader, count: int) -> list[list[int]]:
+    return [next(loader).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
+    reference = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
+    expected = _batches(reference, 5)
+    reference.close()
+    trained = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
+    assert _batches(trained, 3) == expected[:3]
+    trained.close()
+    resumed = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
+    resumed.load_state_dict(trained.state_dict())
+    assert _batches(resumed, 2) == expected[3:]
+    resumed.close()
