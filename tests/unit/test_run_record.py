@@ -21,6 +21,7 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.checkpoint.layout import CheckpointError, rank_key
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import ModelState
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.launch import run_lock
 
@@ -136,20 +137,9 @@ def test_allow_config_change_names_config_keys() -> None:
 def checkpoint(tmp_path: Path) -> Path:
     """A real DCP checkpoint of a small model, written by the CheckpointManager (checksums included)."""
     model = torch.nn.Linear(64, 64)
-    manager = CheckpointManager(tmp_path, {"model": _Weights(model)}, interval=1)
+    manager = CheckpointManager(tmp_path, {"model": ModelState(model)}, interval=1)
     manager.run_record = {"config": {}}
     return manager.save(3)
-
-
-class _Weights:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict:
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state)
 
 
 def _flip_bit(path: Path, offset: int) -> None:

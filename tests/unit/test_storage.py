@@ -19,19 +19,9 @@ import torch
 from tests.support.object_store import s3, s3_server
 from torchtitan_rng.checkpoint import integrity, layout
 from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import ModelState
 from torchtitan_rng.checkpoint.storage import checkpoint_folder, locate
 from torchtitan_rng.errors import CheckpointError
-
-
-class _Weights:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict:
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state)
 
 
 def _memory_folder() -> str:
@@ -78,7 +68,7 @@ def test_the_checksum_streamed_from_a_store_is_the_local_one(tmp_path: Path, siz
 
 def _save(folder: str | Path, steps: range, **options: object) -> torch.nn.Module:
     model = torch.nn.Linear(16, 16)
-    manager = CheckpointManager(folder, {"model": _Weights(model)}, interval=1, **options)
+    manager = CheckpointManager(folder, {"model": ModelState(model)}, interval=1, **options)
     manager.run_record = {"config": {}}
     for step in steps:
         manager.save(step, last_step=steps[-1])
@@ -106,7 +96,7 @@ def test_on_a_store_a_checkpoint_counts_once_marked_and_pruning_keeps_what_the_r
     assert picked == store / "step-4"
     assert integrity.verify_integrity(picked)
     fresh = torch.nn.Linear(16, 16)
-    CheckpointManager(folder, {"model": _Weights(fresh)}, interval=1).load(picked)
+    CheckpointManager(folder, {"model": ModelState(fresh)}, interval=1).load(picked)
     assert torch.equal(fresh.weight, model.weight)
 
 
