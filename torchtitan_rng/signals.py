@@ -36,6 +36,7 @@ _UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
 
 _received: list[str] = []
 _handled: set[int] = set()
+_found: dict[int, Any] = {}  # the handler each signal had before install() took it (SIGINT: KeyboardInterrupt)
 
 
 _INTERRUPT_NOTICE = (b"SIGINT: saving a checkpoint at the next step boundary, then exiting; press Ctrl-C again to "
@@ -64,14 +65,17 @@ def signal_numbers(names: list[str] | tuple[str, ...]) -> list[int]:
 
 
 def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
-    """Handle exactly ``names`` from now on. A signal that arrived while it was handled but is not in
-    ``names`` is delivered again with the default action (the configuration did not ask to catch it)."""
+    """Handle exactly ``names`` from now on. A signal no longer in ``names`` gets back the handler it had
+    before (SIGINT raises KeyboardInterrupt again); one that arrived while it was handled is delivered again
+    to that handler (the configuration did not ask to catch it)."""
     wanted = set(signal_numbers(names))
     for signum in _handled - wanted:
-        signal.signal(signum, signal.SIG_DFL)
+        found = _found.pop(signum, None)
+        signal.signal(signum, found if found is not None else signal.SIG_DFL)
         if signal.Signals(signum).name in _received:
             signal.raise_signal(signum)
     for signum in wanted - _handled:
+        _found.setdefault(signum, signal.getsignal(signum))
         signal.signal(signum, _record)
     _handled.clear()
     _handled.update(wanted)

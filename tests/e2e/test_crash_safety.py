@@ -127,10 +127,12 @@ def sigint_raises_in_children() -> Iterator[None]:
 @pytest.mark.usefixtures("sigint_raises_in_children")
 def test_an_error_between_two_log_flushes_keeps_the_queued_steps(tmp_path: Path) -> None:
     """A run that fails with a Python error (here an interrupt before step 6) still writes the steps it
-    finished since the last write, with their bits; the SIGKILL test above is the control (step 5 lost)."""
+    finished since the last write, with their bits; the SIGKILL test above is the control (step 5 lost). SIGINT is
+    taken off the stop signals here, so that it raises KeyboardInterrupt as in any Python program."""
     run = ("--training.steps", "8", "--lr_scheduler.total_steps", "8", "--metrics.log_freq", "4")
     failed, _ = together(
-        lambda: train(tmp_path / "B", *run, env={FAULT_ENV: "before_step:6:0:SIGINT"}, check=False),
+        lambda: train(tmp_path / "B", *run, "--signals.checkpoint_on", "SIGTERM,SIGUSR1",
+                      env={FAULT_ENV: "before_step:6:0:SIGINT"}, check=False),
         lambda: train(tmp_path / "A", *run[:4], "--metrics.log_freq", "1"))
     assert failed.returncode != 0
     assert sorted(read_loss_log(tmp_path / "B")) == [1, 2, 3, 4, 5]

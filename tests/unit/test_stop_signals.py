@@ -1,6 +1,6 @@
 """Stop signals without a training run: dataloader workers ignore every signal their rank stops on (Ctrl-C
-included); the first SIGINT only records a stop, and a second one ends the process; the launcher's exit code
-is 2 whichever rank failed first; a fault armed for a run fires in its first attempt only."""
+included); the first SIGINT only records a stop, and a second one ends the process (taken off the list, it
+raises KeyboardInterrupt again); the launcher's exit code is 2 whichever rank failed first; a fault armed for a run fires in its first attempt only."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ os.kill(os.getpid(), signal.SIGINT)
 print("still alive after the second")
 """
 
+CTRL_C_NOT_LISTED = """
+import signal
+from torchtitan_rng import signals
+
+signals.install(("SIGTERM", "SIGINT"))  # the defaults, before the config is read
+signals.install(("SIGTERM",))           # a config without SIGINT
+try:
+    signal.raise_signal(signal.SIGINT)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt")
+"""
+
 
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -60,6 +72,13 @@ def test_first_ctrl_c_records_a_stop_and_the_second_ends_the_process() -> None:
     assert proc.stdout == "first: SIGINT\n"
     assert proc.returncode == -signal.SIGINT
     assert proc.stderr.startswith("SIGINT: saving a checkpoint at the next step boundary") and proc.stderr.count("\n") == 1
+
+
+def test_ctrl_c_taken_off_the_stop_signals_raises_keyboard_interrupt_again() -> None:
+    """A config without SIGINT gives Ctrl-C back its Python meaning (an error the run reports, its queued loss
+    lines written), not the default action, which ends the process where it stands."""
+    proc = _python(CTRL_C_NOT_LISTED)
+    assert (proc.returncode, proc.stdout) == (0, "KeyboardInterrupt\n"), proc.stderr[-3000:]
 
 
 def _failure(rank: int, exitcode: int) -> ProcessFailure:
