@@ -1,6 +1,7 @@
 """Stop signals without a training run: dataloader workers ignore every signal their rank stops on (Ctrl-C
 included); the first SIGINT only records a stop, and a second one ends the process (taken off the list, it
-raises KeyboardInterrupt again); the launcher's exit code is 2 whichever rank failed first; a fault armed for a run fires in its first attempt only."""
+raises KeyboardInterrupt again); the launcher's exit code is 2 whichever rank failed first; a fault armed for
+a run fires in its first attempt only."""
 
 from __future__ import annotations
 
