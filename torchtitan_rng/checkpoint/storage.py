@@ -101,7 +101,7 @@ class LocalStorage(Storage):
     def kind(self, path: str) -> str | None:
         try:
             mode = os.lstat(path).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (a parent that is a file holds nothing)
             return None
         except OSError:  # a path through a loop, a name too long...: not ours either way
             return "other"
