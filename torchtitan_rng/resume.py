@@ -111,7 +111,7 @@ def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], wo
     rule = plan_class(config)
     return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
                record=record, allowed=config.checkpoint.allow_config_change, device=device,
-               signing=signing_of(config))
+               signing=signing_of(config), layout_keys=rule.layout_keys())
 
 
 # --- loading, and how the streams start ---------------------------------------------------------------------

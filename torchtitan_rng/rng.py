@@ -54,6 +54,9 @@ STREAMS: dict[str, Stream] = {
                "Flux noise, timesteps and prompt dropout)"),
         Stream("micro-batch", "run", "per micro-batch", ("step", "slot"), "world-size-invariant training: the "
                "global streams and registered generators before each micro-batch, the same at any process count"),
+        Stream("micro-batch-layer", "run", "per micro-batch", ("step", "slot", "layer"), "world-size-invariant "
+               "training: the same streams again before each block (layer) of a micro-batch, so that a pipeline "
+               "stage starting at any layer draws what one process running every layer draws"),
         Stream("reseed", "run", "per rank", ("step",), "a resume that cannot restore the global streams (no RNG "
                "state, another process count or device type): the root of its fresh training-streams"),
         Stream("dataloader", "run", "per rank", ("dp_rank",), "the dataloader's own generator: its workers' base "
@@ -160,10 +163,19 @@ def seed_training_streams(seed: int, rank: int) -> None:
 
 def seed_micro_batch_streams(seed: int, step: int, slot: int) -> None:
     """World-size-invariant training: the global and registered streams of micro-batch ``slot`` of ``step``."""
-    slot_seed = stream_seed("micro-batch", seed, step, slot)
-    _seed_global_streams(slot_seed)
+    _seed_global_and_registered(stream_seed("micro-batch", seed, step, slot))
+
+
+def seed_layer_streams(seed: int, step: int, slot: int, layer: int) -> None:
+    """World-size-invariant training: the global and registered streams of block ``layer`` of micro-batch
+    ``slot`` of ``step``, whichever process or pipeline stage runs that block."""
+    _seed_global_and_registered(stream_seed("micro-batch-layer", seed, step, slot, layer))
+
+
+def _seed_global_and_registered(value: int) -> None:
+    _seed_global_streams(value)
     for name, generator in _registered.items():
-        generator.manual_seed(derive_seed(slot_seed, "registered", name))
+        generator.manual_seed(derive_seed(value, "registered", name))
 
 
 def _seed_global_streams(value: int) -> None:

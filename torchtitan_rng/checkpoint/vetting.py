@@ -47,11 +47,12 @@ class Vetted:
 
 def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
         opt_in: run_record.OptIn = run_record.OptIn(), device: torch.device = torch.device("cpu"),
-        signing: integrity.SigningKey | None = None) -> Vetted:
+        signing: integrity.SigningKey | None = None, layout_keys: Sequence[str] = ()) -> Vetted:
     """Vet ``path`` in the order above. ``record``: this run's run record (None: not compared);
     ``allowed``/``opt_in``: which changed keys become WARNINGs and how a refusal says to allow them;
     ``device``: where the ranks agree on rank 0's reading of the files; ``signing``: the key checkpoints
-    are signed with (None: not checked)."""
+    are signed with (None: not checked); ``layout_keys``: config keys the run's parallel mode gives the same bits
+    under, whatever their value (not compared)."""
     path = locate(path)
     warnings = integrity.verify_signature(path, signing)
     info = inspect_checkpoint(path)
@@ -65,5 +66,6 @@ def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | N
         on_rank_zero(verify, CheckpointError(f"checkpoint {path} is damaged (rank 0 names the file)"), device,
                      (CheckpointError,))
     if record is not None:
-        warnings += run_record.check_resume(path, run_record.read_record(path), record, allowed, opt_in)
+        warnings += run_record.check_resume(path, run_record.read_record(path), record, allowed, opt_in,
+                                             layout_keys)
     return Vetted(info, reseed, warnings)

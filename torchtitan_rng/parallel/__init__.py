@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torchtitan_rng.config import JobConfig
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
+from torchtitan_rng.parallel.invariant.pipeline import InvariantPipelinePlan
 from torchtitan_rng.parallel.invariant.plan import InvariantPlan
 from torchtitan_rng.parallel.pipeline import PipelinePlan
 from torchtitan_rng.parallel.plan import ParallelPlan
@@ -14,6 +15,7 @@ from torchtitan_rng.parallel.plan import ParallelPlan
 
 def plan_class(config: JobConfig) -> type[ParallelPlan]:
     """The plan of the mode ``config`` asks for."""
-    if config.parallelism.pipeline_parallel_degree > 1:  # it refuses the invariant mode (not yet built)
-        return PipelinePlan
-    return InvariantPlan if config.parallelism.world_size_invariant else DataParallelPlan
+    pipelined, invariant = config.parallelism.pipeline_parallel_degree > 1, config.parallelism.world_size_invariant
+    if pipelined:
+        return InvariantPipelinePlan if invariant else PipelinePlan
+    return InvariantPlan if invariant else DataParallelPlan

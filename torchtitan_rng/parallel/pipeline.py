@@ -15,7 +15,7 @@ four keys and a resume with another is refused, one line per key (``checkpoint.a
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,7 @@ class PipelinePlan(DataParallelPlan):
         self.stages: list[PipelineStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
+        self.stage_ids: list[int] = []  # the stages this rank runs
         self._last_losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
 
@@ -113,10 +114,6 @@ class PipelinePlan(DataParallelPlan):
     def check_config(cls, config: JobConfig, world_size: int) -> None:
         par, training = config.parallelism, config.training
         pp = par.pipeline_parallel_degree
-        if par.world_size_invariant:
-            raise ConfigError(f"config {_KEY}_degree = {pp}: the world-size-invariant mode does not split the model "
-                              "into pipeline stages yet; use pipeline_parallel_degree 1 with it, or leave "
-                              "parallelism.world_size_invariant off")
         if world_size % pp:
             raise ConfigError(f"config {_KEY}_degree = {pp} does not divide the {world_size} processes started; "
                               "start a multiple of it (pp x dp processes)")
@@ -169,32 +166,42 @@ class PipelinePlan(DataParallelPlan):
         return self.config.training.local_batch_size // self.config.parallelism.pipeline_parallel_microbatch_size
 
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
-        config, world = self.config, self.world
-        if spec.pipeline is None or spec.block_lists is None:
-            raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
-                              f"pipeline split); use {_KEY}_degree 1")
-        self.split = spec.pipeline
-        layers = stage_layers(config, len(spec.block_lists(model)[0]))
-        count = len(layers)
-        mine = stages_of_rank(config, self.pp_rank)
-        self.split.prune(model, {index for s in mine for index in layers[s]}, 0 in mine, count - 1 in mine)
-        wrapping.apply_activation_checkpointing(model, spec, config)
-        wrapping.apply_compile(model, spec, config)
-        modules = [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in mine]
+        config = self.config
+        modules = self.split_model(model, spec)
         sharded = self.dp > 1
         if sharded:
             for module in modules:
                 spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config))
-        self.compute_context = wrapping.autocast_context(config, world.device, sharded)
-        self.stages = [PipelineStage(module, s, count, world.device, group=self.pp_group)
-                       for s, module in zip(mine, modules)]
-        schedule = get_schedule_class(config.parallelism.pipeline_parallel_schedule)
+        self.compute_context = wrapping.autocast_context(config, self.world.device, sharded)
+        self.build_schedule(modules, PipelineStage, self.pipeline_micro_batches)
+        return spec.loss_fn
+
+    def split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
+        """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
+        if spec.pipeline is None or spec.block_lists is None:
+            raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
+                              f"pipeline split); use {_KEY}_degree 1")
+        self.split = spec.pipeline
+        layers = stage_layers(self.config, len(spec.block_lists(model)[0]))
+        count = len(layers)
+        self.stage_ids = stages_of_rank(self.config, self.pp_rank)
+        self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
+                         count - 1 in self.stage_ids)
+        wrapping.apply_activation_checkpointing(model, spec, self.config)
+        wrapping.apply_compile(model, spec, self.config)
+        return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
+
+    def build_schedule(self, modules: list[nn.Module], stage_class: Callable[..., PipelineStage],
+                       micro_batches: int) -> None:
+        """This rank's stages (of ``stage_class``) and the configured schedule of ``micro_batches`` over them."""
+        count = stage_count(self.config)
+        self.stages = [stage_class(module, s, count, self.world.device, group=self.pp_group)
+                       for s, module in zip(self.stage_ids, modules)]
+        schedule = get_schedule_class(self.config.parallelism.pipeline_parallel_schedule)
         # The plan scales the losses itself (by micro-batches x accumulation): the schedule's own scaling of the
         # gradients after each schedule run would also rescale the gradients accumulated before it.
         self.schedule = schedule(self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0],
-                                 n_microbatches=self.pipeline_micro_batches, loss_fn=self._micro_batch_loss,
-                                 scale_grads=False)
-        return spec.loss_fn
+                                 n_microbatches=micro_batches, loss_fn=self._micro_batch_loss, scale_grads=False)
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self.split is not None

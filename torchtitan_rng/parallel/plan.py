@@ -13,12 +13,12 @@ resume, the launcher's preflight and the diagnosis ask the plan and never which 
 * which ranks read the same batches (:attr:`data_shard`);
 * which streams enter a step (:attr:`carries_streams`, :meth:`step_streams`, :meth:`data_position`);
 * what the checkpoint records about the layout, what a checkpoint of another layout or process count means
-  (:meth:`record_parts`, :meth:`check_checkpoint`), and where the data stands after a resume
+  (:meth:`record_parts`, :meth:`check_checkpoint`, :meth:`layout_keys`), and where the data stands after a resume
   (:meth:`position_data`).
 
 Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes),
 ``pipeline.py`` (pipeline stages x FSDP2) and ``invariant/`` (world-size-invariant: the same bits at any
-process count).
+process count; ``invariant/pipeline.py`` with pipeline stages too).
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ class ParallelPlan(ABC):
         """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
         ``num_samples`` samples per epoch, rank-major (as ``metrics.log_samples`` writes them), from the config
         alone."""
+
+    @classmethod
+    def layout_keys(cls) -> tuple[str, ...]:
+        """Config keys that only lay a step out over processes, this mode giving the same bits whatever their
+        value: a resume may change them without a word (the run record does not compare them)."""
+        return ()
 
     @abstractmethod
     def prepare_process(self) -> None:

@@ -4,8 +4,8 @@ micro-batches.
 A step's ``training.global_batch_size / training.local_batch_size`` micro-batches are dealt round by round,
 one per rank (``step.py``), and summed in slot order (``reduction.py``); on several processes FSDP2 shards
 parameters, gradients and optimizer state (its reduce-scatter replaced by the slot-order exchange), every
-process runs fixed kernels, and each micro-batch seeds the global streams from ``(seed, step, slot)``: no
-stream is carried from step to step, and the data position follows from the step alone, so a checkpoint
+process runs fixed kernels, and each micro-batch seeds the global streams from ``(seed, step, slot)``, and
+each of its blocks from ``(seed, step, slot, layer)`` (``streams.py``): no stream is carried from step to step, and the data position follows from the step alone, so a checkpoint
 continues at any such process count (``record.py`` marks it as this mode's; DCP reshards it).
 """
 
@@ -25,16 +25,26 @@ from torchtitan_rng.config import JobConfig
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.invariant import reduction, setup, step as invariant_step
+from torchtitan_rng.parallel.invariant.streams import MicroBatchStreams
 from torchtitan_rng.parallel.invariant.record import RECORD_PART, InvariantRecord, check_checkpoint_mode
 from torchtitan_rng.parallel.plan import ParallelPlan, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
 from torchtitan_rng.train_spec import LossFn, TrainSpec
+
+def hooked_streams(model: nn.Module, spec: TrainSpec, config: JobConfig) -> MicroBatchStreams:
+    """The micro-batch streams, reseeded at each of ``model``'s blocks (call it once the blocks are wrapped)."""
+    streams = MicroBatchStreams(config.debug.seed)
+    if spec.block_lists is not None:  # a model without blocks draws from its micro-batch's stream alone
+        streams.hook_blocks(spec.block_lists(model))
+    return streams
+
 
 class InvariantPlan(ParallelPlan):
     """``parallelism.world_size_invariant``: one micro-batch per rank per round of a step, summed in slot order."""
 
     layout: invariant_step.Layout | None = None  # set by batch_sampler(), which sees the dataset
     exchanges: Sequence[reduction.SlotOrderExchange] = ()  # set by wrap() when sharded
+    streams: MicroBatchStreams  # set by wrap()
 
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
@@ -44,6 +54,13 @@ class InvariantPlan(ParallelPlan):
     def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
         check_checkpoint_mode(info, invariant=True)
         return False  # any process count continues it exactly
+
+    @classmethod
+    def layout_keys(cls) -> tuple[str, ...]:
+        """How many processes, pipeline stages and which schedule: the same bits under every value."""
+        return ("parallelism.data_parallel_shard_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_microbatch_size",
+                "parallelism.pipeline_parallel_split_points")
 
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
@@ -61,6 +78,7 @@ class InvariantPlan(ParallelPlan):
         config = self.config
         wrapping.apply_activation_checkpointing(model, spec, config)
         wrapping.apply_compile(model, spec, config)
+        self.streams = hooked_streams(model, spec, config)
         if self.world.world_size > 1:
             # FSDP2 gathers float32 parameters at every count, so that bf16 compute is the same autocast as on
             # one process (where nothing is sharded) and gradients reach the exchange in float32.
@@ -72,14 +90,15 @@ class InvariantPlan(ParallelPlan):
 
     @property
     def micro_batches_per_rank(self) -> int:
-        return setup.check_batch_layout(self.config, self.world.world_size) // self.world.world_size
+        ranks = self.data_shard[1]  # the ranks that run different micro-batches
+        return setup.check_batch_layout(self.config, ranks) // ranks
 
     @property
     def samples_per_step(self) -> int:
         return self.config.training.global_batch_size
 
     def batch_sampler(self, dataset: Dataset) -> GlobalBatchSampler:
-        self.layout = setup.plan_layout(self.config, self.world.rank, self.world.world_size, dataset)
+        self.layout = setup.plan_layout(self.config, *self.data_shard, dataset)
         return setup.global_sampler(len(dataset), self.config, self.layout)
 
     def record_parts(self) -> dict[str, Stateful]:
@@ -90,10 +109,10 @@ class InvariantPlan(ParallelPlan):
         assert self.layout is not None, "batch_sampler() places the micro-batches first"
         return invariant_step.forward_backward(model, params, lambda: to_device(next(batches), self.world.device),
                                                loss_fn, self.config, self.layout, step, self.compute_context,
-                                               self.exchanges)
+                                               self.exchanges, self.streams)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        return reduction.clip_grads(params, max_norm, self.world.world_size)
+        return reduction.clip_grads(params, max_norm, reduction.grad_norm(params, self.world.world_size))
 
     @property
     def carries_streams(self) -> bool:

@@ -102,37 +102,49 @@ def _row_squares(grad: torch.Tensor) -> torch.Tensor:
     return rows.double().square().sum(dim=1)
 
 
-def grad_norm(params: list[nn.Parameter], world: int) -> torch.Tensor:
-    """The 2-norm of all gradients, the same bits at every process count: per-row float64 sums of squares
-    (:func:`_row_squares`), gathered into one vector in parameter-and-row order (one all-gather of
-    ``sum(ceil(rows / W))`` numbers), summed by one kernel on that identical vector."""
+def row_squares(params: list[nn.Parameter], world: int, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Per parameter with a gradient (in ``params`` order) the float64 sums of squares of all its rows
+    (:func:`_row_squares`), gathered from the ``world`` ranks of ``group`` that shard it (default: all ranks) by
+    one all-gather of ``sum(ceil(rows / W))`` numbers."""
     grads = [p.grad for p in params if p.grad is not None]
     parts = [_row_squares(g) for g in grads]
-    if world > 1:
-        rank = dist.get_rank()
-        padded = []
-        for grad, part in zip(grads, parts):
-            rows = grad.shape[0] if grad.dim() else 1
-            chunk = _row_chunk(rows, world)
-            assert part.numel() == max(0, min(chunk, rows - rank * chunk)), "FSDP2 shards rows as torch.chunk"
-            padded.append(torch.nn.functional.pad(part, (0, chunk - part.numel())))
-        local = torch.cat(padded)
-        gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, local)
-        per_rank = gathered.view(world, -1)
-        parts, offset = [], 0
-        for grad in grads:
-            rows = grad.shape[0] if grad.dim() else 1
-            chunk = _row_chunk(rows, world)
-            parts.append(per_rank[:, offset : offset + chunk].reshape(-1)[:rows])
-            offset += chunk
+    if world == 1:
+        return parts
+    rank = dist.get_rank(group)
+    padded = []
+    for grad, part in zip(grads, parts):
+        rows = grad.shape[0] if grad.dim() else 1
+        chunk = _row_chunk(rows, world)
+        assert part.numel() == max(0, min(chunk, rows - rank * chunk)), "FSDP2 shards rows as torch.chunk"
+        padded.append(torch.nn.functional.pad(part, (0, chunk - part.numel())))
+    local = torch.cat(padded)
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    per_rank = gathered.view(world, -1)
+    parts, offset = [], 0
+    for grad in grads:
+        rows = grad.shape[0] if grad.dim() else 1
+        chunk = _row_chunk(rows, world)
+        parts.append(per_rank[:, offset : offset + chunk].reshape(-1)[:rows])
+        offset += chunk
+    return parts
+
+
+def norm_of(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm from every parameter's row squares, in the order given: one kernel on one vector, so the same
+    vector gives the same bits wherever it was gathered."""
     return torch.cat(parts).sum().sqrt().float()
 
 
-def clip_grads(params: list[nn.Parameter], max_norm: float, world: int) -> torch.Tensor:
-    """Scale the gradients to norm ``max_norm`` when above it (no clipping when ``max_norm <= 0``), as torch's
-    clip_grad_norm_ does, with :func:`grad_norm`; returns the norm before clipping (non-finite stays so)."""
-    norm = grad_norm(params, world)
+def grad_norm(params: list[nn.Parameter], world: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of all gradients, the same bits at every process count: per-row float64 sums of squares in
+    parameter-and-row order (:func:`row_squares`), summed by one kernel on that identical vector."""
+    return norm_of(row_squares(params, world, group))
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """Scale the gradients to norm ``max_norm`` when their total ``norm`` is above it (no clipping when
+    ``max_norm <= 0``), as torch's clip_grad_norm_ does; returns ``norm`` (non-finite stays so)."""
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
