@@ -58,7 +58,6 @@ def test_stages_over_ranks_looped_and_v() -> None:
 
 
 @pytest.mark.parametrize(("config", "world_size", "fragment"), [
-    (_pp(2, "1F1B", "--parallelism.world_size_invariant"), 2, "the world-size-invariant mode does not split"),
     (_pp(2, "1F1B"), 3, "does not divide the 3 processes started"),
     (_pp(2, "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "3"), 2, "does not divide "
      "training.local_batch_size = 8"),

@@ -98,7 +98,6 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
         par = config.parallelism
-        setup.check_batch_layout(config, world_size // par.pipeline_parallel_degree)
         if par.pipeline_parallel_schedule in SPLIT_BACKWARD:
             raise ConfigError(f"{_FLAG}: parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} "
                               "computes each micro-batch's weight gradient in a separate pass, outside the exchange "
@@ -108,6 +107,8 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
             raise ConfigError(f"{_FLAG}: a pipeline micro-batch is the mode's micro-batch, so "
                               f"parallelism.pipeline_parallel_microbatch_size = {par.pipeline_parallel_microbatch_size}"
                               f" must be training.local_batch_size = {config.training.local_batch_size}; set it so")
+        if world_size % par.pipeline_parallel_degree == 0:  # else the pipeline's check below says so
+            setup.check_batch_layout(config, world_size // par.pipeline_parallel_degree)
         PipelinePlan.check_config(config, world_size)
 
     @classmethod

@@ -1,0 +1,93 @@
+"""The world-size-invariant mode under pipeline parallelism: one process, pp 2 under GPipe, 1F1B (with activation
+checkpointing) and Interleaved1F1B, and pp 2 x dp 2 write the same loss log bit for bit, dropout on in every
+block; the pp 2 x dp 2 checkpoint resumed on one process without stages goes on with the same bits.
+
+Control: the ordinary mode, one process against pp 2 on the same batches, differs from the first step (a stage's
+dropout draws from its own rank's stream there).
+
+Every run is launched once (module fixture), side by side, and checked several ways. (The pieces without
+training: tests/unit/test_pipeline_invariant.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.checks import assert_every_line_matches
+from tests.support.launch import compare, together, train
+from torchtitan_rng.loss_log import read_loss_log
+
+STEPS, STOP = 4, 2
+# Four micro-batches of 2 per step (debug4: the debug width with four blocks, dropout 0.1, enough blocks for
+# four stages on two ranks); training.max_norm 1.0 from llama_debug clips, so the gradient norm counts too.
+COMMON = ("--model.flavor", "debug4", "--training.steps", str(STEPS), "--lr_scheduler.total_steps", str(STEPS))
+INVARIANT = (*COMMON, "--parallelism.world_size_invariant", "--training.local_batch_size", "2",
+             "--training.global_batch_size", "8")
+
+
+def _pp2(schedule: str) -> tuple[str, ...]:
+    return ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+            "--parallelism.pipeline_parallel_schedule", schedule)
+
+
+# name: (overrides, processes); all invariant, compared with "pp1".
+LAYOUTS = {
+    "pp1": ((), 1),
+    "GPipe": (_pp2("GPipe"), 2),
+    "1F1B_recomputed": ((*_pp2("1F1B"), "--activation_checkpoint.mode", "full"), 2),
+    "Interleaved1F1B": (_pp2("Interleaved1F1B"), 2),
+    "pp2_dp2": ((*_pp2("1F1B"), "--checkpoint.enable", "--checkpoint.interval", str(STOP)), 4),
+}
+# The control: the ordinary mode on the same 8 samples per step (one batch, no accumulation), two steps.
+ORDINARY = (*COMMON[:2], "--training.steps", "2", "--lr_scheduler.total_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pipeline_invariant")
+    dumps = {name: folder / name for name in (*LAYOUTS, "replay", "ordinary_pp1", "ordinary_pp2")}
+
+    def layout(name: str) -> None:
+        overrides, nproc = LAYOUTS[name]
+        train(dumps[name], *INVARIANT, *overrides, nproc=nproc)
+
+    def pp_dp_then_replay() -> None:
+        layout("pp2_dp2")
+        train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
+              str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP))
+
+    together(pp_dp_then_replay, *(lambda name=name: layout(name) for name in LAYOUTS if name != "pp2_dp2"),
+             lambda: train(dumps["ordinary_pp1"], *ORDINARY),
+             lambda: train(dumps["ordinary_pp2"], *ORDINARY, *_pp2("1F1B"), nproc=2))
+    return dumps
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "pp1"])
+def test_every_layout_writes_the_one_process_bits(runs: dict[str, Path], name: str) -> None:
+    assert sorted(read_loss_log(runs[name])) == list(range(1, STEPS + 1))
+    result = compare(runs["pp1"], runs[name])
+    assert result.returncode == 0, result.stdout
+    assert_every_line_matches(runs["pp1"], runs[name])
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "pp1"])
+def test_every_layout_has_the_one_process_gradient_norm(runs: dict[str, Path], name: str) -> None:
+    """The norm the step clipped by: every stage's row squares, put in the whole model's order before one sum."""
+    reference, log = read_loss_log(runs["pp1"]), read_loss_log(runs[name])
+    assert [log[step]["grad_norm"].hex() for step in log] == [reference[step]["grad_norm"].hex() for step in log]
+
+
+def test_pp2_dp2_checkpoint_replayed_on_one_process_without_stages(runs: dict[str, Path]) -> None:
+    assert sorted(read_loss_log(runs["replay"])) == list(range(STOP + 1, STEPS + 1))
+    result = compare(runs["pp1"], runs["replay"], "--only-common-steps")
+    assert result.returncode == 0, result.stdout
+    assert_every_line_matches(runs["pp1"], runs["replay"])
+
+
+def test_control_ordinary_mode_differs_across_layouts_from_the_first_step(runs: dict[str, Path]) -> None:
+    """The comparison can fail: in the ordinary mode the last stage's dropout comes from rank 1's stream."""
+    result = compare(runs["ordinary_pp1"], runs["ordinary_pp2"])
+    assert result.returncode == 1
+    assert result.stdout.startswith("first differing step 1:"), result.stdout
