@@ -108,7 +108,8 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
                               f"parallelism.pipeline_parallel_microbatch_size = {par.pipeline_parallel_microbatch_size}"
                               f" must be training.local_batch_size = {config.training.local_batch_size}; set it so")
         if world_size % par.pipeline_parallel_degree == 0:  # else the pipeline's check below says so
-            setup.check_batch_layout(config, world_size // par.pipeline_parallel_degree)
+            setup.check_batch_layout(config, world_size // par.pipeline_parallel_degree,
+                                     ranks="data-parallel ranks (processes / pipeline_parallel_degree)")
         PipelinePlan.check_config(config, world_size)
 
     @classmethod

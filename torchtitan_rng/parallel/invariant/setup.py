@@ -20,9 +20,9 @@ from torchtitan_rng.parallel.invariant.step import Layout
 _FLAG = "--parallelism.world_size_invariant"
 
 
-def check_batch_layout(config: JobConfig, world: int) -> int:
-    """The micro-batches per step; raises ConfigError when ``world`` processes cannot split them invariantly
-    (checked by the launcher too, before any process starts)."""
+def check_batch_layout(config: JobConfig, world: int, ranks: str = "processes") -> int:
+    """The micro-batches per step; raises ConfigError when ``world`` processes (or the ``ranks`` named) cannot
+    split them invariantly (checked by the launcher too, before any process starts)."""
     training = config.training
     if training.global_batch_size < 1:
         raise ConfigError(f"{_FLAG} needs training.global_batch_size (samples per optimizer step, the same at "
@@ -34,8 +34,8 @@ def check_batch_layout(config: JobConfig, world: int) -> int:
     micro_batches = training.global_batch_size // training.local_batch_size
     if micro_batches % world:
         counts = ", ".join(str(n) for n in range(1, micro_batches + 1) if micro_batches % n == 0)
-        raise ConfigError(f"{_FLAG} needs a number of processes that divides the {micro_batches} micro-batches "
-                          f"per step (global / local batch size); got {world} processes: use {counts}, or "
+        raise ConfigError(f"{_FLAG} needs a number of {ranks} that divides the {micro_batches} micro-batches "
+                          f"per step (global / local batch size); got {world} {ranks}: use {counts}, or "
                           "change training.global_batch_size")
     if config.data.streaming:
         raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
