@@ -1,10 +1,11 @@
 """Benchmark: training step time with pipeline parallelism (pp 2 under each schedule) against none (FSDP2
-over the same processes), the same model, data and process count.
+over the same processes), the same model, data and process count; and the cost of the world-size-invariant mode
+under pp 2 (GPipe, 1F1B) against the same schedule in the ordinary mode, on the same samples per step.
 
 Each layout is one launch of the real trainer (gloo on the CPU); its progress lines (every ``--log-freq``
 steps) give the time per step, and the first line (start-up, first-step shape inference) is left out. The
 layouts alternate over rounds, so that drift in the machine's load hits them alike; the table gives each
-layout's median step time and its ratio to no pipeline.
+layout's median step time and its ratio to no pipeline (an invariant layout's also to its ordinary layout).
 
     python -m bench.pipeline [--quick] [--flavor debug4] [--nproc 2] [--rounds R --steps S --log-freq F]
 """
@@ -26,6 +27,11 @@ LAYOUTS = {
     "pp 2, 1F1B": [*_PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"],
     "pp 2, Interleaved1F1B": [*_PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
 }
+# The invariant mode on the same 8 samples per step: 4 micro-batches of 2, all in one schedule run.
+_INVARIANT = ["--parallelism.world_size_invariant", "--training.local_batch_size", "2",
+              "--training.global_batch_size", "8"]
+for _schedule in ("GPipe", "1F1B"):
+    LAYOUTS[f"pp 2, {_schedule}, invariant"] = [*LAYOUTS[f"pp 2, {_schedule}"], *_INVARIANT]
 
 
 def step_times(overrides: list[str], nproc: int, steps: int, log_freq: int) -> list[float]:
@@ -56,11 +62,12 @@ def main() -> None:
             times[name] += step_times([*LAYOUTS[name], "--model.flavor", args.flavor], args.nproc, steps,
                                       args.log_freq)
     baseline = median(times["no pipeline (FSDP2 over all)"])
-    rows = [[name, f"{median(values):.1f}", spread(values), f"{median(values) / baseline:.2f}"]
+    rows = [[name, f"{median(values):.1f}", spread(values), f"{median(values) / baseline:.2f}",
+             f"{median(values) / median(times[name.removesuffix(', invariant')]):.2f}" if "invariant" in name else ""]
             for name, values in times.items()]
     table(f"Pipeline parallelism: step time on {args.nproc} processes (llama {args.flavor}, local batch 8, "
           f"{rounds} round(s) of {steps} steps, every {args.log_freq}th step timed after the first)",
-          ["layout", "ms/step (median)", "min..max", "vs no pipeline"], rows)
+          ["layout", "ms/step (median)", "min..max", "vs no pipeline", "vs ordinary"], rows)
 
 
 if __name__ == "__main__":

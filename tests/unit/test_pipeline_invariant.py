@@ -43,7 +43,7 @@ def test_plan_class_with_stages_in_the_invariant_mode() -> None:
     assert plan_class(_config(*INVARIANT)) is InvariantPlan
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
 def test_schedules_that_backpropagate_whole_micro_batches_are_accepted(schedule: str) -> None:
     InvariantPipelinePlan.check_config(_pp2(schedule, "--model.flavor", "debug4"), 4)
 
@@ -51,6 +51,7 @@ def test_schedules_that_backpropagate_whole_micro_batches_are_accepted(schedule:
 @pytest.mark.parametrize(("config", "world_size", "fragment"), [
     (_pp2("ZBVZeroBubble"), 2, "'ZBVZeroBubble' computes each micro-batch's weight gradient in a separate pass"),
     (_pp2("InterleavedZeroBubble"), 2, "'InterleavedZeroBubble' computes each micro-batch's weight gradient"),
+    (_pp2("LoopedBFS"), 2, "'LoopedBFS' runs a stage's backwards in reverse micro-batch order"),
     (_pp2("1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1"), 2, "pipeline_parallel_microbatch_size "
      "= 1 must be training.local_batch_size = 2"),
     (_pp2(), 6, "needs a number of data-parallel ranks (processes / pipeline_parallel_degree) that "

@@ -8,15 +8,16 @@ The layout (pp x dp ranks, ``pipeline.py``) changes nothing a micro-batch comput
   (``pipeline_parallel_microbatch_size = local_batch_size``), and one schedule run takes all of a column's.
 * Randomness: each stage seeds the global streams per (step, slot) before a micro-batch's forward and per
   (step, slot, layer) before each block (``streams.py``), never per rank or stage.
-* Gradients: every stage's backward of a micro-batch runs in micro-batch order in the schedules offered here,
+* Gradients: every stage's backwards run in micro-batch order in the schedules offered here,
   so autograd adds them in slot order within a column; across the ``dp`` ranks of a stage each micro-batch's
   gradient goes through the slot-order exchange at its own backward (not once per schedule run, as FSDP2 under
   pipelining does), which adds round by round in slot order: ``g_0 + g_1 + ... + g_{M-1}``, as one process.
 * The loss and the gradient norm: the last stage's micro-batch losses summed in slot order, and every parameter's
   row squares put in the whole model's parameter order before one sum (``reduction.py``).
 
-The zero-bubble schedules compute a micro-batch's weight gradient apart from its input gradient, in a pass the
-exchange does not see; they are refused in this mode.
+Refused in this mode: the zero-bubble schedules, which compute a micro-batch's weight gradient apart from its
+input gradient, in a pass the exchange does not see, and LoopedBFS, which runs a stage's backwards in reverse
+micro-batch order.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ from torchtitan_rng.parallel.plan import to_device
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 _FLAG = "--parallelism.world_size_invariant"
-# Schedules that split a micro-batch's backward into an input-gradient and a weight-gradient pass.
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# The schedules this mode refuses, and why: the order of a stage's gradient sum would not be slot order.
+_SPLIT = ("computes each micro-batch's weight gradient in a separate pass, outside the exchange that adds the "
+          "micro-batches in one order")
+REFUSED_SCHEDULES = {
+    "InterleavedZeroBubble": _SPLIT,
+    "ZBVZeroBubble": _SPLIT,
+    "LoopedBFS": "runs a stage's backwards in reverse micro-batch order, so its gradients would add in another order",
+}
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")  # what activation checkpointing and compile insert
 
 
@@ -98,11 +105,10 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
         par = config.parallelism
-        if par.pipeline_parallel_schedule in SPLIT_BACKWARD:
+        if par.pipeline_parallel_schedule in REFUSED_SCHEDULES:
             raise ConfigError(f"{_FLAG}: parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} "
-                              "computes each micro-batch's weight gradient in a separate pass, outside the exchange "
-                              "that adds the micro-batches in one order; use GPipe, 1F1B, Interleaved1F1B or "
-                              "LoopedBFS")
+                              f"{REFUSED_SCHEDULES[par.pipeline_parallel_schedule]}; use GPipe, 1F1B or "
+                              "Interleaved1F1B")
         if par.pipeline_parallel_microbatch_size != config.training.local_batch_size:
             raise ConfigError(f"{_FLAG}: a pipeline micro-batch is the mode's micro-batch, so "
                               f"parallelism.pipeline_parallel_microbatch_size = {par.pipeline_parallel_microbatch_size}"

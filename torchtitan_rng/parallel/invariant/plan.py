@@ -4,9 +4,10 @@ micro-batches.
 A step's ``training.global_batch_size / training.local_batch_size`` micro-batches are dealt round by round,
 one per rank (``step.py``), and summed in slot order (``reduction.py``); on several processes FSDP2 shards
 parameters, gradients and optimizer state (its reduce-scatter replaced by the slot-order exchange), every
-process runs fixed kernels, and each micro-batch seeds the global streams from ``(seed, step, slot)``, and
-each of its blocks from ``(seed, step, slot, layer)`` (``streams.py``): no stream is carried from step to step, and the data position follows from the step alone, so a checkpoint
-continues at any such process count (``record.py`` marks it as this mode's; DCP reshards it).
+process runs fixed kernels, and each micro-batch seeds the global streams from ``(seed, step, slot)`` and
+each of its blocks from ``(seed, step, slot, layer)`` (``streams.py``): no stream is carried from step to step,
+and the data position follows from the step alone, so a checkpoint continues at any such process count
+(``record.py`` marks it as this mode's; DCP reshards it), and with pipeline stages too (``pipeline.py``).
 """
 
 from __future__ import annotations
