@@ -5,9 +5,9 @@ config the checkpoint records, into a temporary dump folder, trains to step K wi
 prints, for each micro-batch of step K, its sample keys, loss and gradient norm (total and per block), then the
 step's gradient norm per block and the norm of its update, and one line: whether the step's loss and gradient
 norm equal those in RUN's loss log bit for bit (exit 0 when they do, 1 when not). A world-size-invariant run
-replays on one process whatever its process count; an ordinary run only when one process trained it (refused in
-one line otherwise: only the count that saved its checkpoints continues them exactly). The progress of the
-replayed steps goes to stderr.
+replays on one process whatever its process count and pipeline stages; an ordinary run only when one process
+trained it (refused in one line otherwise: only the count that saved its checkpoints continues them exactly).
+The progress of the replayed steps goes to stderr.
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def _start(run: Path, step: int) -> tuple[Path | None, dict[str, Any]]:
 
 
 def _replay_config(values: dict[str, Any], checkpoint: Path | None, step: int, dump: Path) -> JobConfig:
-    config = from_values(values)
+    # One process lays the step out its own way: the keys the run's mode computes the same bits under whatever
+    # their value (a world-size-invariant run's pipeline stages) go back to their defaults.
+    layout = plan_class(from_values(values)).layout_keys()
+    config = from_values({key: value for key, value in values.items() if key not in layout})
     config.job.dump_folder = str(dump)
     config.training.steps = step
     config.metrics.log_samples = True

@@ -1,6 +1,7 @@
 """The world-size-invariant mode under pipeline parallelism: one process, pp 2 under GPipe, 1F1B (with activation
 checkpointing) and Interleaved1F1B, and pp 2 x dp 2 write the same loss log bit for bit, dropout on in every
-block; the pp 2 x dp 2 checkpoint resumed on one process without stages goes on with the same bits.
+block; the pp 2 x dp 2 checkpoint resumed on one process without stages goes on with the same bits, and
+``python -m torchtitan_rng.replay`` replays a step of that run on one process.
 
 Control: the ordinary mode, one process against pp 2 on the same batches, differs from the first step (a stage's
 dropout draws from its own rank's stream there).
@@ -11,12 +12,15 @@ training: tests/unit/test_pipeline_invariant.py.)
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.checks import assert_every_line_matches
-from tests.support.launch import compare, together, train
+from tests.support.launch import REPO, compare, run_env, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 STEPS, STOP = 4, 2
@@ -53,14 +57,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         overrides, nproc = LAYOUTS[name]
         train(dumps[name], *INVARIANT, *overrides, nproc=nproc)
 
+    replayed: dict[str, subprocess.CompletedProcess] = {}
+
     def pp_dp_then_replay() -> None:
         layout("pp2_dp2")
-        train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
-              str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP))
+        together(lambda: train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
+                               str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP)),
+                 lambda: replayed.setdefault("tool", subprocess.run(
+                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1)],
+                     cwd=REPO, capture_output=True, text=True, env=run_env(), timeout=600)))
 
     together(pp_dp_then_replay, *(lambda name=name: layout(name) for name in LAYOUTS if name != "pp2_dp2"),
              lambda: train(dumps["ordinary_pp1"], *ORDINARY),
              lambda: train(dumps["ordinary_pp2"], *ORDINARY, *_pp2("1F1B"), nproc=2))
+    tool = replayed["tool"]
+    (folder / "replay_tool.json").write_text(json.dumps([tool.returncode, tool.stdout, tool.stderr[-3000:]]))
     return dumps
 
 
@@ -84,6 +95,12 @@ def test_pp2_dp2_checkpoint_replayed_on_one_process_without_stages(runs: dict[st
     result = compare(runs["pp1"], runs["replay"], "--only-common-steps")
     assert result.returncode == 0, result.stdout
     assert_every_line_matches(runs["pp1"], runs["replay"])
+
+
+def test_replay_tool_replays_a_pipelined_step_on_one_process(runs: dict[str, Path]) -> None:
+    returncode, out, err = json.loads((runs["replay"].parent / "replay_tool.json").read_text())
+    assert returncode == 0, out + err
+    assert f"step {STOP + 1}: loss" in out and "equal to the run's loss log bit for bit" in out, out
 
 
 def test_control_ordinary_mode_differs_across_layouts_from_the_first_step(runs: dict[str, Path]) -> None:

@@ -197,11 +197,16 @@ class PipelinePlan(DataParallelPlan):
         count = stage_count(self.config)
         self.stages = [stage_class(module, s, count, self.world.device, group=self.pp_group)
                        for s, module in zip(self.stage_ids, modules)]
-        schedule = get_schedule_class(self.config.parallelism.pipeline_parallel_schedule)
-        # The plan scales the losses itself (by micro-batches x accumulation): the schedule's own scaling of the
-        # gradients after each schedule run would also rescale the gradients accumulated before it.
-        self.schedule = schedule(self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0],
-                                 n_microbatches=micro_batches, loss_fn=self._micro_batch_loss, scale_grads=False)
+        name = self.config.parallelism.pipeline_parallel_schedule
+        schedule = get_schedule_class(name)
+        try:
+            # The plan scales the losses itself (by micro-batches x accumulation): the schedule's own scaling of
+            # the gradients after each schedule run would also rescale the gradients accumulated before it.
+            self.schedule = schedule(self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0],
+                                     n_microbatches=micro_batches, loss_fn=self._micro_batch_loss, scale_grads=False)
+        except ValueError as err:  # the schedule's own check of its micro-batches against the stages
+            raise ConfigError(f"config {_KEY}_schedule = {name!r} cannot run {micro_batches} micro-batches per "
+                              f"schedule run over {count} stages ({err}); give each run more micro-batches") from None
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self.split is not None
