@@ -7,7 +7,11 @@ One set of runs, side by side, checked several ways:
 * GPipe with async checkpoints: stopped by SIGTERM to rank 1 (the last stage) and resubmitted; on two stages
   GPipe runs each stage's forwards and backwards in the order 1F1B does, so its reference is 1F1B's run;
 * Interleaved1F1B (four stages on two ranks): ``verify_resume`` (stop at 2, resume to 4, stream fingerprints);
-* pp 2 x dp 2 on four processes: uninterrupted, and resumed from its step 2, fingerprints compared.
+* pp 2 x dp 2 on four processes: uninterrupted, and resumed from its step 2, fingerprints compared;
+* the zero-bubble schedules (four stages on two ranks, weight gradients apart): each uninterrupted, and resumed
+  from its step 2;
+* 1F1B killed (SIGKILL to the last stage) while it writes its last checkpoint, then run again: it resumes from
+  the complete checkpoint before, and its log is 1F1B's run.
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ LAYOUTS = {
     "Interleaved1F1B": (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--model.flavor",
                         "debug4"),
     "ppdp": (*PP2, "--debug.rng_fingerprint"),
+    "ZBVZeroBubble": (*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--model.flavor", "debug4"),
+    "InterleavedZeroBubble": (*PP2, "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble",
+                              "--model.flavor", "debug4"),
 }
-NPROC = {"1F1B": 2, "GPipe": 2, "Interleaved1F1B": 2, "ppdp": 4}
+NPROC = {"1F1B": 2, "GPipe": 2, "Interleaved1F1B": 2, "ppdp": 4, "ZBVZeroBubble": 2, "InterleavedZeroBubble": 2}
+ZERO_BUBBLE = ("ZBVZeroBubble", "InterleavedZeroBubble")
 
 
 def _resume_from_step_2(source: Path, dump: Path, layout: str) -> None:
@@ -51,7 +59,8 @@ def _last_stage_gets_first_stages_streams(state: dict) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("pipeline")
-    names = ("1F1B", "1F1B_resumed", "control", "GPipe_sigterm", "Interleaved1F1B", "ppdp", "ppdp_resumed")
+    names = ("1F1B", "1F1B_resumed", "control", "GPipe_sigterm", "Interleaved1F1B", "ppdp", "ppdp_resumed",
+             "1F1B_killed_saving", *ZERO_BUBBLE, *(f"{name}_resumed" for name in ZERO_BUBBLE))
     dumps = {name: folder / name for name in names}
     outputs: dict[str, object] = {}
 
@@ -76,15 +85,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                    "--stop-at", "2", "--nproc", "2", "--keep", str(dumps["Interleaved1F1B"]),
                                    *LAYOUTS["Interleaved1F1B"])
 
-    def pp_dp() -> None:
-        train(dumps["ppdp"], *STEPS, *CKPT, *LAYOUTS["ppdp"], nproc=4)
-        _resume_from_step_2(dumps["ppdp"], dumps["ppdp_resumed"], "ppdp")
+    def resumed_from_step_2(layout: str) -> None:
+        train(dumps[layout], *STEPS, *CKPT, *LAYOUTS[layout], nproc=NPROC[layout])
+        _resume_from_step_2(dumps[layout], dumps[f"{layout}_resumed"], layout)
 
-    together(one_f_one_b, sigterm_and_resume, interleaved, pp_dp)
+    def killed_while_saving() -> None:
+        # Rank 1 (the last stage) kills itself halfway through writing step 4; the run again resumes from step 2.
+        outputs["killed"] = train(dumps["1F1B_killed_saving"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2,
+                                  env={FAULT_ENV: "save_writing:4:1"}, check=False)
+        outputs["complete_after_kill"] = complete_steps(dumps["1F1B_killed_saving"] / "checkpoint")
+        train(dumps["1F1B_killed_saving"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2)
+
+    together(one_f_one_b, sigterm_and_resume, interleaved, killed_while_saving,
+             *(lambda layout=layout: resumed_from_step_2(layout) for layout in ("ppdp", *ZERO_BUBBLE)))
     return {**dumps, **outputs}
 
 
-@pytest.mark.parametrize("layout", ["1F1B", "ppdp"])
+@pytest.mark.parametrize("layout", ["1F1B", "ppdp", *ZERO_BUBBLE])
 def test_resumed_from_step_2_equals_uninterrupted(runs: dict, layout: str) -> None:
     resumed = runs[f"{layout}_resumed"]
     assert sorted(read_loss_log(resumed)) == [3, 4]
@@ -109,6 +126,15 @@ def test_sigterm_to_one_stage_stops_both_at_one_step_and_resumes_exactly(runs: d
     result = compare(runs["1F1B"], runs["GPipe_sigterm"])
     assert result.returncode == 0, result.stdout
     assert_every_line_matches(runs["1F1B"], runs["GPipe_sigterm"])
+
+
+def test_sigkill_while_saving_with_stages_resumes_from_the_checkpoint_before(runs: dict) -> None:
+    killed: subprocess.CompletedProcess = runs["killed"]
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    assert runs["complete_after_kill"] == [2], runs["complete_after_kill"]  # step 4's folder never counted
+    result = compare(runs["1F1B"], runs["1F1B_killed_saving"])
+    assert result.returncode == 0, result.stdout
+    assert_every_line_matches(runs["1F1B"], runs["1F1B_killed_saving"])
 
 
 def test_control_one_stage_with_another_stages_streams_differs(runs: dict) -> None:
