@@ -14,7 +14,7 @@ Points, in the order a run meets them:
 * ``startup``       start-up (STEP: 0): the process group is up; model, data and resume are still to come
 * ``data_loading``  a dataloader worker is in ``__getitem__`` (STEP: 0): every worker of the rank holds at its
   first sample, each with its own file ``data_loading-0-rankR-workerW``, so no batch is ready until the test
-  lets them go (the dataset is wrapped by :func:`held_samples`; with no workers, nothing holds)
+  lets them go (a map-style dataset is wrapped by :func:`held_samples`; with no workers, nothing holds)
 * ``compile``       torch.compile starts compiling a graph during step STEP (the first compile of a run is in
   its first step: the compiled code is built lazily, at the first call)
 * ``before_step``   right before step STEP starts (the previous step is complete and logged)
