@@ -85,8 +85,8 @@ def _refuse_other_counts(run: Path, values: dict[str, Any], processes: int) -> N
     config, info = from_values(values), inspect_checkpoint(run_checkpoints(run)[-1])
     plan = plan_class(config)
     try:
-        plan.check_config(config, processes)
         plan.check_checkpoint(info, processes, None)
+        plan.check_config(config, processes)
     except (CheckpointError, ConfigError) as err:
         raise ConfigError(f"--processes {processes} cannot replay this run exactly ({err}); an ordinary run replays "
                           f"at the count that trained it (--processes {info.saved_world_size}), a "

@@ -35,7 +35,7 @@ REPORT_NAME = "replay_report.json"
 def block_of(name: str) -> str:
     """The block a parameter belongs to: its name up to its first index ("layers.3"), or, without one, its
     module ("output", "transformer.img_in")."""
-    parts = name.removeprefix("_orig_mod.").replace("._orig_mod", "").split(".")
+    parts = name.removeprefix("_orig_mod.").split(".")
     index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
     return ".".join(parts[: index + 1] if index is not None else parts[:-1] or parts)
 
