@@ -1,12 +1,13 @@
 """Which samples made step K of a run: ``python -m torchtitan_rng.samples RUN --step K [--json]``.
 
-Nothing is trained or loaded but JSON and checkpoint metadata: a map-style run's order is a function of its seed,
-epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of every micro-batch of a step follow from
-the config its checkpoints record (``run.json``), the number of samples per epoch (recorded with the data) and,
-in the ordinary mode, the process count that saved them. The output is what ``metrics.log_samples`` writes in the
-loss log: one list of keys per micro-batch, rank-major; a key is ``epoch * samples_per_epoch + index``. When
-the data is a file of tokens (``training.dataset_path``: ``.bin``, ``.jsonl``, text), each key is printed with
-the offset of the sample's first token in it (``KEY@OFFSET``), also a function of the seed and the key.
+Nothing is trained or loaded but JSON, checkpoint metadata and (for token offsets) the data file: a map-style
+run's order is a function of its seed, epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of
+every micro-batch of a step follow from the config its checkpoints record (``run.json``), the number of samples
+per epoch (recorded with the data) and, in the ordinary mode, the process count that saved them. The output is
+what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-batch, rank-major; a key is
+``epoch * samples_per_epoch + index``. When the data is a file of tokens (``training.dataset_path``: ``.bin``,
+``.jsonl``, text), each key is printed with the offset of the sample's first token in it (``KEY@OFFSET``), also a
+function of the seed and the key.
 
 What it cannot answer it refuses in one line (exit 2): a run without a checkpoint (no record of its config), a
 streaming source (no index), checkpoints that disagree on what sets the order.

@@ -251,6 +251,12 @@ def test_samples_of_a_token_file_show_where_each_sample_lies(runs: dict[str, Pat
     assert f"micro-batch 0: {first[0]}@{printed['token_offsets'][0][0]} {first[1]}@" in out
     assert samples.main([str(runs["launch"]), "--step", "2"]) == 0  # control: the text shipped with Python
     assert "@" not in capsys.readouterr().out
+    # A data file not where the record says: the offsets are left out, in one line.
+    moved = parse_args(["--job.config_file", str(REPO / "train_configs" / "llama_debug.toml"),
+                        "--training.dataset_path", str(tmp_path / "moved.bin")])
+    assert samples.token_offsets(moved) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("note: no token offsets: ") and "moved.bin" in err
 
 
 def _offsets(dump: Path, step: int) -> list[list[int]]:
