@@ -179,7 +179,8 @@ def test_replay_of_a_two_process_step_on_one_process(runs: dict[str, Path]) -> N
     returncode, out, err = _replayed(dump)
     logged = read_loss_log(dump)[REPLAYED]
     assert returncode == 0, out + err
-    assert f"replayed step {REPLAYED} of {dump} on 1 process(es) from checkpoint {dump / 'checkpoint' / 'step-3'}" in out
+    start = dump / "checkpoint" / "step-3"
+    assert f"replayed step {REPLAYED} of {dump} on 1 process(es) from checkpoint {start}" in out
     assert out.splitlines()[-1] == (f"step {REPLAYED}: loss {logged['loss']!r}, grad_norm {logged['grad_norm']!r}, "
                                     "equal to the run's loss log bit for bit")
     lines = [line for line in out.splitlines() if line.startswith("micro-batch ")]
@@ -205,7 +206,8 @@ def test_replay_of_an_ordinary_run_at_its_process_count(runs: dict[str, Path]) -
     returncode, out, err = _replayed(dump)
     logged = read_loss_log(dump)
     assert returncode == 0, out + err
-    assert f"replayed step {REPLAYED} of {dump} on 2 process(es) from checkpoint {dump / 'checkpoint' / 'step-3'}" in out
+    start = dump / "checkpoint" / "step-3"
+    assert f"replayed step {REPLAYED} of {dump} on 2 process(es) from checkpoint {start}" in out
     assert out.splitlines()[-1] == (f"step {REPLAYED}: loss {logged[REPLAYED]['loss']!r}, grad_norm "
                                     f"{logged[REPLAYED]['grad_norm']!r}, equal to the run's loss log bit for bit")
     assert [step for step, record in logged.items() if record.get("skipped")] == [4, 5]
