@@ -11,6 +11,7 @@ What the bits depend on: the schedule orders each stage's micro-batches (the ord
 its gradient sums), and the split and the degree say which rank's streams draw for which layers. So a layout
 (degree, schedule, split points, micro-batch size) continues exactly only as itself: the run record holds the
 four keys and a resume with another is refused, one line per key (``checkpoint.allow_config_change`` names it).
+The world-size-invariant mode's stages (``invariant/pipeline.py``) build on this plan and drop that rule.
 """
 
 from __future__ import annotations

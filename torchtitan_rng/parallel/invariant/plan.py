@@ -32,6 +32,7 @@ from torchtitan_rng.parallel.plan import ParallelPlan, to_device
 from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
+
 def hooked_streams(model: nn.Module, spec: TrainSpec, config: JobConfig) -> MicroBatchStreams:
     """The micro-batch streams, reseeded at each of ``model``'s blocks (call it once the blocks are wrapped)."""
     streams = MicroBatchStreams(config.debug.seed)

@@ -1,9 +1,9 @@
 """One optimizer step's forward and backward in world-size-invariant training.
 
 Each micro-batch runs with the global streams seeded for its global slot and each block's layer
-(``streams.py``); its gradients are summed in slot
-order (``reduction.py``: autograd's accumulation on one process, :class:`~.reduction.SlotOrderExchange` on
-several) and divided by the number of micro-batches; the losses are gathered and summed in slot order. The
+(``streams.py``); its gradients are summed in slot order (``reduction.py``: autograd's accumulation on one
+process, :class:`~.reduction.SlotOrderExchange` on several) and divided by the number of micro-batches; the
+losses are gathered and summed in slot order. The
 same operations at every process count: every rank ends with the same gradient bits (its shard of them when
 sharded) and the same loss.
 """
