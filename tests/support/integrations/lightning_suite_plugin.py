@@ -1,8 +1,9 @@
 """pytest plugin: Lightning's own tests run with an ``ExactResumeCallback`` in every ``Trainer`` they build,
 added as a user adds it (``callbacks=[..., ExactResumeCallback()]``).
 
-Lightning's tests are not in its sdist or wheel, so the suite cannot fetch them from the package registry;
-with a checkout of Lightning at the installed version (its ``tests`` folder), from that folder:
+No package registry carries Lightning's tests (docs/integrations.md says what was checked), so neither the
+suite nor CI can run them; with a checkout of Lightning at the installed version (its ``tests`` folder, and
+its test requirements cloudpickle, jsonargparse[signatures], tensorboardX), from that folder:
 
     PYTHONPATH=<this repository> python -m pytest -p tests.support.integrations.lightning_suite_plugin \\
         tests_pytorch/checkpointing tests_pytorch/trainer/connectors/test_checkpoint_connector.py ...
@@ -22,8 +23,6 @@ event files left in the in-memory filesystem) but these, which fail with the cal
 * test_workers_are_shutdown (4): they count the worker shutdowns of their own DataLoader subclass; the callback
   refuses a subclass (its additions would be lost) and keeps its own loader's workers across epochs, which is
   what carries their streams.
-* test_model_torch_save (fails in the full run, passes alone): ``torch.save(trainer)`` after fit() reaches a live
-  single-process iterator of the exact loader, which torch cannot pickle. Not fixed.
 * test_model_checkpoint_no_extraneous_invocations: it counts every ``torch.save`` call on rank 1 and expects
   none; the callback gathers the ranks' loader states with ``all_gather_object``, whose pickling of tensors
   calls ``torch.save`` in memory (no file is written).
