@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import io
 
+import lightning.pytorch as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, SubsetRandomSampler
 
-L = pytest.importorskip("lightning.pytorch")
-
-from tests.support.integrations.common import NoisyDataset, TinyNet  # noqa: E402
-from torchtitan_rng.errors import ConfigError  # noqa: E402
-from torchtitan_rng.integrations.lightning import ExactResumeCallback  # noqa: E402
+from tests.support.integrations.common import NoisyDataset, TinyNet
+from torchtitan_rng.errors import ConfigError
+from torchtitan_rng.integrations.lightning import ExactResumeCallback
 
 
 class Net(L.LightningModule):
