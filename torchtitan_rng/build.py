@@ -21,6 +21,7 @@ from torchtitan_rng.data.streaming import StreamingDataLoader, WindowStream
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import World
 from torchtitan_rng.errors import ConfigError
+from torchtitan_rng.fault_injection import held_samples
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.optimizer import build_optimizer
@@ -97,6 +98,7 @@ def build_dataloader(config: JobConfig, world: World, plan: ParallelPlan,
         raise ConfigError(f"config data.streaming: model {config.model.name!r} has no streaming source")
     # Form 2: a dataset that may use the global RNGs in workers gets them carried across a resume.
     keyed = with_sample_keys(dataset) if config.metrics.log_samples else dataset
+    keyed = held_samples(keyed, world.rank)  # itself unless a test arms data_loading
     return ResumableDataLoader(with_worker_rng(keyed, data.capture_worker_rng), **loader_args,
                                on_num_workers_change=data.on_num_workers_change,
                                batch_sampler=plan.batch_sampler(dataset))

@@ -642,3 +642,18 @@ def as_flags(message: str) -> str:
 
 def to_dict(config: JobConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def to_flags(config: JobConfig) -> list[str]:
+    """``config`` as command-line overrides (``--section.key=value``, every key) that :func:`parse_args` reads
+    back to an equal config: how a command hands a whole config to the processes it launches."""
+    flags = []
+    for key in describe_keys():
+        section, name = key.dotted.split(".")
+        value = getattr(getattr(config, section), name)
+        if isinstance(value, list):
+            value = ",".join(value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        flags.append(f"--{key.dotted}={value}")
+    return flags

@@ -12,6 +12,11 @@ deleted, so that a test can act (signal the launcher, kill the job) while the ru
 Points, in the order a run meets them:
 
 * ``startup``       start-up (STEP: 0): the process group is up; model, data and resume are still to come
+* ``data_loading``  a dataloader worker is in ``__getitem__`` (STEP: 0): every worker of the rank holds at its
+  first sample, each with its own file ``data_loading-0-rankR-workerW``, so no batch is ready until the test
+  lets them go (a map-style dataset is wrapped by :func:`held_samples`; with no workers, nothing holds)
+* ``compile``       torch.compile starts compiling a graph during step STEP (the first compile of a run is in
+  its first step: the compiled code is built lazily, at the first call)
 * ``before_step``   right before step STEP starts (the previous step is complete and logged)
 * ``validation``    step STEP has trained and is about to validate (``validation.enable``)
 * ``save_writing``  while DCP writes the checkpoint of STEP: half of this rank's items are handed to the
@@ -44,15 +49,16 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
+from torch.utils.data import Dataset, get_worker_info
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
 HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
-POINTS = ("startup", "before_step", "validation", "save_writing", "save_written", "save_marking", "save_renamed",
+POINTS = ("startup", "data_loading", "compile", "before_step", "validation", "save_writing", "save_written", "save_marking", "save_renamed",
           "prune", "loss_spike")
 HOLD = 0  # the action "hold" (no signal has number 0)
 LOSS_SPIKE_FACTOR = 1000.0
@@ -95,18 +101,30 @@ class FaultInjector:
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
         return cls(spec, rank) if spec and not restarted else None
 
-    def at(self, point: str, step: int) -> None:
-        """Fire the faults armed for ``point`` at ``step`` on this rank (each once)."""
+    def armed(self, point: str) -> bool:
+        """Whether any fault is armed for ``point`` on this rank, at any step."""
+        return any(faults for (armed, _), faults in self._armed.items() if armed == point)
+
+    def at(self, point: str, step: int, who: str = "") -> None:
+        """Fire the faults armed for ``point`` at ``step`` on this rank (each once); ``who`` ends the hold
+        file's name where several processes of one rank hold at the same point (its loader's workers)."""
         faults = self._armed.get((point, step), [])
         while faults:
             fault = faults.pop(0)
             if fault.signum == HOLD:
-                self._hold(point, step)
+                self._hold(f"{point}-{step}-rank{self.rank}{who}")
             else:
                 os.kill(os.getpid(), fault.signum)
 
-    def _hold(self, point: str, step: int) -> None:
-        held = Path(os.environ[HOLD_DIR_ENV]) / f"{point}-{step}-rank{self.rank}"
+    def watch_compiles(self, step: Callable[[], int]) -> None:
+        """Fire ``compile`` when torch.compile starts compiling, at the step ``step()`` says is running."""
+        if self.armed("compile"):
+            from torch._dynamo.callback import on_compile_start  # only where a test arms the point
+
+            on_compile_start(lambda _: self.at("compile", step()))
+
+    def _hold(self, name: str) -> None:
+        held = Path(os.environ[HOLD_DIR_ENV]) / name
         held.touch()
         while held.exists():
             time.sleep(0.01)  # polling the test's answer, not a guessed delay
@@ -134,3 +152,47 @@ class _FaultySavePlanner(DefaultSavePlanner):
         if 2 * self.resolved >= len(self.plan.items):
             self.faults.at("save_writing", self.step)
         return super().resolve_data(write_item)
+
+
+class _HeldSamples(Dataset):
+    """``dataset``, whose first ``__getitem__`` in each dataloader worker fires ``data_loading`` (each worker
+    process has its own copy of this object, so each fires once). Adds no randomness: the data is the same."""
+
+    adds_no_randomness = True
+
+    def __init__(self, dataset: Dataset, rank: int) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.fired = False
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int) -> Any:
+        worker = get_worker_info()
+        if worker is not None and not self.fired:
+            self.fired = True
+            faults = FaultInjector.from_env(self.rank)
+            if faults is not None:
+                faults.at("data_loading", 0, who=f"-worker{worker.id}")
+        return self.dataset[key]
+
+
+class _HeldStatefulSamples(_HeldSamples):
+    """The same around a Stateful dataset, whose state the loader saves per worker: it stays reachable."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def held_samples(dataset: Dataset, rank: int) -> Dataset:
+    """``dataset`` wrapped to fire ``data_loading`` in its workers when the environment arms that point on
+    ``rank``; else ``dataset`` itself (a normal run's data path has no wrapper)."""
+    faults = FaultInjector.from_env(rank)
+    if faults is None or not faults.armed("data_loading"):
+        return dataset
+    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    return (_HeldStatefulSamples if stateful else _HeldSamples)(dataset, rank)

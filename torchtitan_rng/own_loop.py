@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.layout import resolve_checkpoint
 from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.checkpoint.manager import CheckpointManager
@@ -239,6 +239,10 @@ class ExactResume:
         stop_signals: signals (e.g. ``("SIGTERM", "SIGUSR1", "SIGINT")``) that only set a flag from now on;
             the loader's workers ignore them. :meth:`should_stop` turns the flag into a save at an agreed step.
             With ``"SIGINT"`` listed, the first Ctrl-C stops so, and a second one ends the process at once.
+        signing_key_env: the NAME of an environment variable holding a secret key (as the trainer's
+            ``checkpoint.signing_key_env``): each checkpoint's checksums are signed with it (HMAC-SHA256) and
+            :meth:`load` refuses one whose signature does not match, naming the file. "" (default): unsigned.
+            A named variable that is unset or empty raises :class:`CheckpointError` here.
 
     Every checkpoint records what the loop was built with: parameter names and shapes, the optimizer's
     type and hyperparameters per param group, the loader's batch size, seed, shuffle, sample count and
@@ -254,9 +258,12 @@ class ExactResume:
                  dataloader: ResumableDataLoader | None = None, lr_scheduler: Stateful | None = None,
                  extra: Mapping[str, Stateful] | None = None, interval: int, keep_latest_k: int = 0,
                  seed: int | None = None, device: torch.device | None = None,
-                 config: Mapping[str, Any] | None = None, stop_signals: Sequence[str] = ()) -> None:
+                 config: Mapping[str, Any] | None = None, stop_signals: Sequence[str] = (),
+                 signing_key_env: str = "") -> None:
         if interval < 1:
             raise ValueError(f"interval = {interval}: it must be >= 1")
+        # Before anything is built: a key named but not set must not mean unsigned saves.
+        self.signing = integrity.signing_key(signing_key_env)
         if dataloader is not None and not isinstance(dataloader, ResumableDataLoader):
             raise TypeError(
                 f"dataloader is a {type(dataloader).__name__}; build it with torchtitan_rng.build_dataloader "
@@ -269,7 +276,7 @@ class ExactResume:
         parts = checkpoint_parts(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, dataloader=dataloader,
                                  train_state=self.train_state, extras=extra)
         self.manager = CheckpointManager(folder, parts, interval=interval, keep_latest_k=keep_latest_k,
-                                         rank=self.rank)
+                                         rank=self.rank, signing=self.signing)
         self.optimizer = optimizer
         # As built (the record holds them as JSON): allow_changes puts these back over the loaded ones.
         self._built_hyperparameters = [{key: value for key, value in group.items() if key != "params"}
@@ -322,7 +329,8 @@ class ExactResume:
         none, one from ``initial_load_path``) and return its step; 0 when there is nothing to load.
 
         The random streams are only remembered here; :meth:`restore_rng` puts them back. Raises
-        :class:`CheckpointError` (one line per reason, on every rank) when the checkpoint's files changed
+        :class:`CheckpointError` (one line per reason, on every rank) when it is not signed with the key of
+        ``signing_key_env`` (checked before anything else is read), when the checkpoint's files changed
         since the save, when it was saved by another number of processes (it cannot resume exactly), when
         the loop was built with other values than the checkpoint recorded (each key with the saved and the
         new value), or when it lacks a part this run needs; ``exclude`` names parts to leave as they are
@@ -337,7 +345,7 @@ class ExactResume:
         try:
             vetted = vet(path, layout=lambda info: DataParallelPlan.check_checkpoint(info, self.world_size, None),
                          record=self.record, allowed=allow_changes, opt_in=_OwnLoopOptIn(),
-                         device=self.train_state.device)
+                         device=self.train_state.device, signing=self.signing)
         except run_record.ConfigDriftError as err:
             raise CheckpointError(str(err)) from None
         for line in vetted.warnings if self.rank == 0 else ():

@@ -1,10 +1,13 @@
 """Which samples made step K of a run: ``python -m torchtitan_rng.samples RUN --step K [--json]``.
 
-Nothing is trained or loaded but JSON and checkpoint metadata: a map-style run's order is a function of its seed,
-epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of every micro-batch of a step follow from
-the config its checkpoints record (``run.json``), the number of samples per epoch (recorded with the data) and,
-in the ordinary mode, the process count that saved them. The output is what ``metrics.log_samples`` writes in the
-loss log: one list of keys per micro-batch, rank-major; a key is ``epoch * samples_per_epoch + index``.
+Nothing is trained or loaded but JSON, checkpoint metadata and (for token offsets) the data file: a map-style
+run's order is a function of its seed, epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of
+every micro-batch of a step follow from the config its checkpoints record (``run.json``), the number of samples
+per epoch (recorded with the data) and, in the ordinary mode, the process count that saved them. The output is
+what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-batch, rank-major; a key is
+``epoch * samples_per_epoch + index``. When the data is a file of tokens (``training.dataset_path``: ``.bin``,
+``.jsonl``, text), each key is printed with the offset of the sample's first token in it (``KEY@OFFSET``), also a
+function of the seed and the key.
 
 What it cannot answer it refuses in one line (exit 2): a run without a checkpoint (no record of its config), a
 streaming source (no index), checkpoints that disagree on what sets the order.
@@ -16,12 +19,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torchtitan_rng.checkpoint import layout, run_record
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
-from torchtitan_rng.config import from_values
+from torchtitan_rng.config import JobConfig, from_values
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
+from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import plan_class
 
 # What sets the order of a map-style run's samples: every checkpoint of the run must agree on these.
@@ -45,8 +49,9 @@ def _order_of(checkpoint: Path) -> tuple[dict[str, Any], Any, int | None]:
     return record["config"], record.get("data"), inspect_checkpoint(checkpoint).saved_world_size
 
 
-def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int]:
-    """(keys of each micro-batch of ``step``, samples per epoch, processes) of the run in dump folder ``run``."""
+def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int, JobConfig]:
+    """(keys of each micro-batch of ``step``, samples per epoch, processes, the config) of the run in dump folder
+    ``run``."""
     if not run.is_dir():
         raise ConfigError(f"{run} is not a folder; give the run's dump folder (job.dump_folder)")
     if step < 1:
@@ -77,7 +82,25 @@ def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int]:
     if not isinstance(num_samples, int) or world_size is None:
         raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")
     config = from_values(values)
-    return plan_class(config).step_sample_keys(config, num_samples, world_size, step), num_samples, world_size
+    return plan_class(config).step_sample_keys(config, num_samples, world_size, step), num_samples, world_size, config
+
+
+def token_offsets(config: JobConfig) -> Callable[[int], int] | None:
+    """Where each sample (by key) starts in the tokens of the run's data file; None when the data is no file
+    of tokens, or the file cannot be read here (said on stderr: the keys do not need it)."""
+    if not config.training.dataset_path or config.data.streaming:
+        return None
+    try:
+        dataset = get_train_spec(config).build_dataset(config)
+    except ConfigError as err:
+        print(f"note: no token offsets: {err}", file=sys.stderr)
+        return None
+    return getattr(dataset, "token_offset", None)
+
+
+def format_keys(keys: list[int], offset_of: Callable[[int], int] | None) -> str:
+    """A micro-batch's keys, each with its token offset (``KEY@OFFSET``) when the data has them."""
+    return " ".join(f"{key}@{offset_of(key)}" if offset_of is not None else str(key) for key in keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,16 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object: {\"step\": K, \"samples\": [...]}")
     args = parser.parse_args(argv)
     try:
-        keys, num_samples, world_size = step_samples(args.run, args.step)
+        keys, num_samples, world_size, config = step_samples(args.run, args.step)
     except TorchtitanRngError as err:
         return report(err)
+    offset_of = token_offsets(config)
     if args.json:
-        print(json.dumps({"step": args.step, "samples": keys}))
+        offsets = {"token_offsets": [[offset_of(key) for key in batch] for batch in keys]} if offset_of else {}
+        print(json.dumps({"step": args.step, "samples": keys, **offsets}))
         return 0
     print(f"step {args.step} of {args.run}: {len(keys)} micro-batch(es) of {len(keys[0])} samples, rank-major over "
           f"{world_size} process(es) (key = epoch * {num_samples} + index)")
+    if offset_of is not None:
+        print(f"KEY@OFFSET: the sample's first token is token OFFSET of {config.training.dataset_path}")
     for number, batch in enumerate(keys):
-        print(f"micro-batch {number}: {' '.join(map(str, batch))}")
+        print(f"micro-batch {number}: {format_keys(batch, offset_of)}")
     return 0
 
 

@@ -79,6 +79,8 @@ class Trainer:
 
         self.parts = parts = build_components(config, world)
         self.plan, self.train_state = parts.plan, parts.train_state  # the step lives in the train state
+        if self.faults is not None:  # compiled code is built at its first call: in the step running then
+            self.faults.watch_compiles(lambda: self.train_state.step + 1)
         # Its workers go before the process group does (docs/design.md, "Teardown order").
         self._closing.callback(lambda: shutdown_workers(parts.dataloader))
         self.probe = StreamProbe(config, self.plan, rank=world.rank, world_size=world.world_size,

@@ -6,11 +6,16 @@ fault-injection point; resumed, its loss log is bit for bit the uninterrupted ru
 
     moment                          signal              run ends with
     start-up                        SIGTERM             exit 0, nothing saved
+    data loading of step 1          SIGTERM             step-1, exit 0
     validation of step 3            SIGINT (Ctrl-C)     step-3, exit 0
     the save of step 4              SIGINT, then again  aborted by the second: step-4 stays .partial
     the save of step 4 (sync)       SIGTERM             step-4, then step-5, exit 0
     the save of step 6 (async)      SIGTERM             step-6, then step-7, exit 0
     the final save (step 8)         SIGTERM             step-8, exit 0
+
+During data loading both workers hold in ``__getitem__`` of their first sample, so step 1 waits for its batch.
+Beside that run, another (``compile.enable``, the loss compiled: the smallest graph) is signalled while
+torch.compile builds the graph of its first step, inductor's compile workers in the group too: step-1, exit 0.
 """
 
 from __future__ import annotations
@@ -64,13 +69,24 @@ def _stopped(dump: Path, out: Path, holds: list[str], signum: int, *extra: str) 
 @pytest.fixture(scope="module")
 def moments(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("moments")
-    reference, dump, control = root / "reference", root / "run", root / "control"
+    reference, dump, control, compiled = root / "reference", root / "run", root / "control", root / "compiled"
     results: dict = {"reference": reference, "dump": dump, "control": control}
 
     def stopped_again_and_again() -> None:
         results["startup"] = _stopped(dump, root / "startup", ["startup:0"], signal.SIGTERM)
         results["after_startup"] = (complete_steps(dump / "checkpoint"), read_loss_log(dump) if
                                     (dump / "loss_log.jsonl").exists() else {})
+
+        # The run holds before step 1 and both workers at their first sample; the run goes on into step 1 and
+        # waits for its batch, then the signal comes, then the workers go on.
+        loading = _held(dump, root / "data_loading", ["before_step:1", "data_loading:0"])
+        workers = loading.wait_all_held("data_loading-0-rank0-worker*", 2)
+        loading.wait_held("before_step-1-rank0").unlink()
+        os.killpg(loading.proc.pid, signal.SIGTERM)
+        for file in workers:
+            file.unlink()
+        results["data_loading"] = loading.finish()
+        results["after_data_loading"] = complete_steps(dump / "checkpoint")
         results["validation"] = _stopped(dump, root / "validation", ["validation:3"], signal.SIGINT)
         results["after_validation"] = complete_steps(dump / "checkpoint")
 
@@ -94,7 +110,12 @@ def moments(tmp_path_factory: pytest.TempPathFactory) -> dict:
         results["after_async"] = complete_steps(dump / "checkpoint")
         results["final"] = _stopped(dump, root / "final", ["save_writing:8"], signal.SIGTERM)
 
-    together(lambda: train(reference, *RUN, config=CONFIG), stopped_again_and_again)
+    def stopped_while_compiling() -> None:
+        results["compile"] = _stopped(compiled, root / "compile", ["compile:1"], signal.SIGTERM, "--compile.enable",
+                                      "--compile.components", "loss")
+        results["after_compile"] = complete_steps(compiled / "checkpoint")
+
+    together(lambda: train(reference, *RUN, config=CONFIG), stopped_again_and_again, stopped_while_compiling)
     return results
 
 
@@ -109,12 +130,24 @@ def test_signal_during_startup_exits_0_with_nothing_to_save(moments: dict) -> No
     assert moments["after_startup"] == ([], {})
 
 
+def test_signal_during_data_loading_saves_the_step_waiting_for_it(moments: dict) -> None:
+    _clean(moments["data_loading"])
+    assert "stopped by SIGTERM at step 1" in moments["data_loading"].stdout
+    assert moments["after_data_loading"] == [1]
+
+
+def test_signal_during_the_first_compile_saves_that_step(moments: dict) -> None:
+    _clean(moments["compile"])
+    assert "stopped by SIGTERM at step 1" in moments["compile"].stdout
+    assert moments["after_compile"] == [1]
+
+
 def test_first_ctrl_c_during_validation_saves_that_step(moments: dict) -> None:
     proc = moments["validation"]
     _clean(proc)
     assert proc.stderr.strip() == NOTICE + " without saving"
     assert "stopped by SIGINT at step 3" in proc.stdout
-    assert moments["after_validation"] == [2, 3]
+    assert moments["after_validation"] == [1, 2, 3]
 
 
 def test_second_ctrl_c_aborts_and_blocks_nothing(moments: dict) -> None:
@@ -122,7 +155,7 @@ def test_second_ctrl_c_aborts_and_blocks_nothing(moments: dict) -> None:
     assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr[-3000:])
     assert proc.stderr.strip() == NOTICE + " without saving"  # one line: what the first one said
     steps, entries = moments["after_abort"]
-    assert steps == [2, 3] and entries == ["step-2", "step-3", "step-4.partial"]
+    assert steps == [1, 2, 3] and entries == ["step-1", "step-2", "step-3", "step-4.partial"]
     # The next run was not blocked (the aborted run's lock names a dead process) and resumed from step 3.
     assert "resumed from" in moments["sync"].stdout and "step-3 at step 3" in moments["sync"].stdout
 
@@ -131,7 +164,7 @@ def test_signal_during_a_sync_save_stops_at_the_next_step(moments: dict) -> None
     proc = moments["sync"]
     _clean(proc)
     assert "stopped by SIGTERM at step 5" in proc.stdout
-    assert moments["after_sync"] == [2, 3, 4, 5]
+    assert moments["after_sync"] == [1, 2, 3, 4, 5]
 
 
 def test_signal_during_an_async_save_stops_at_the_next_step(moments: dict) -> None:
@@ -139,19 +172,19 @@ def test_signal_during_an_async_save_stops_at_the_next_step(moments: dict) -> No
     _clean(proc)
     assert "checkpoint step-6: staged in" in proc.stdout and "step-6 saved in" in proc.stdout
     assert "stopped by SIGTERM at step 7" in proc.stdout
-    assert moments["after_async"] == [2, 3, 4, 5, 6, 7]
+    assert moments["after_async"] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_signal_during_the_final_save_finishes_it(moments: dict) -> None:
     _clean(moments["final"])
     steps = complete_steps(moments["dump"] / "checkpoint")
-    assert steps == [2, 3, 4, 5, 6, 7, 8]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
     assert all(verify_integrity(moments["dump"] / "checkpoint" / f"step-{step}") for step in steps)
 
 
 def test_every_save_prints_its_time(moments: dict) -> None:
     """The time a save takes is what a cluster's lead time must cover: printed with each one."""
-    for name in ("validation", "sync", "async", "final"):
+    for name in ("data_loading", "compile", "validation", "sync", "async", "final"):
         assert " saved in " in moments[name].stdout, moments[name].stdout
 
 

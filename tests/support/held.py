@@ -24,15 +24,20 @@ class Held:
     def wait_held(self, pattern: str, timeout: float = 300) -> Path:
         """Block until the run holds at a point matching ``pattern`` (``POINT-STEP-rankR``, a glob); its file
         is returned."""
+        return self.wait_all_held(pattern, 1, timeout)[0]
+
+    def wait_all_held(self, pattern: str, count: int, timeout: float = 300) -> list[Path]:
+        """Block until ``count`` processes hold at points matching ``pattern`` (e.g. every dataloader worker of
+        a rank: ``data_loading-0-rank0-worker*``); their files are returned."""
         deadline = time.monotonic() + timeout
-        while not (held := sorted(self.holds.glob(pattern))):
+        while len(held := sorted(self.holds.glob(pattern))) < count:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the run ended (exit {self.proc.returncode}) before holding at {pattern}\n"
                                      f"{self.stdout()[-3000:]}\n{self.stderr()[-3000:]}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"the run did not hold at {pattern} within {timeout} s")
             time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
-        return held[0]
+        return held
 
     def finish(self, timeout: float = 300) -> subprocess.CompletedProcess:
         self.proc.wait(timeout=timeout)

@@ -79,6 +79,20 @@ def test_bare_flag_still_sets_a_boolean() -> None:
     assert parse_args(["--job.config_file", str(DEBUG_CONFIG), "--checkpoint.enable"]).checkpoint.enable is True
 
 
+def test_a_config_handed_on_as_flags_reads_back_equal() -> None:
+    """What the replay hands its processes: every key as a flag (lists, booleans, floats, empty strings), read
+    back to an equal config; control: without one of the flags the config differs."""
+    from torchtitan_rng.config import parse_args, to_flags
+
+    config = parse_args(["--job.config_file", str(DEBUG_CONFIG), "--training.skip_steps", "4-5,9",
+                         "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler", "--checkpoint.enable",
+                         "--optimizer.lr", "0.1", "--training.spike_guard", "loss,factor=3,warmup=2",
+                         "--metrics.log_samples"])
+    flags = to_flags(config)
+    assert parse_args(flags) == config
+    assert parse_args([flag for flag in flags if not flag.startswith("--optimizer.lr=")]) != config
+
+
 HELP = {
     "trainer module": [*TRAINER, "--help"],
     "train.py": [sys.executable, str(REPO / "train.py"), "-h"],

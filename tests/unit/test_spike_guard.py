@@ -13,7 +13,7 @@ import torch
 from tests.support.checks import float_bits
 from torchtitan_rng.config import ConfigError, SpikeRule, parse_args, parse_spike_guard
 from torchtitan_rng.loss_log import LossLogWriter, read_loss_log
-from torchtitan_rng.replay import block_of
+from torchtitan_rng.replay_step import block_of
 from torchtitan_rng.skips import apply_update
 from torchtitan_rng.spike_guard import SpikeGuard
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tests.support.launch import REPO, run_env
@@ -103,3 +104,35 @@ def test_faults_fire_in_the_first_attempt_only(monkeypatch: pytest.MonkeyPatch) 
     assert FaultInjector.from_env(1) is not None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert FaultInjector.from_env(1) is None
+
+
+def test_held_samples_wrap_only_where_armed_and_change_nothing_of_the_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data_loading point's wrapper: absent from a normal run; armed, the same samples, the same form of
+    randomness (a per-sample dataset stays one), and a Stateful dataset's state still reachable."""
+    from torchtitan_rng.data.sample_rng import SampleRandomDataset
+    from torchtitan_rng.data.worker_rng import uses_global_rng
+    from torchtitan_rng.fault_injection import held_samples
+
+    class Keyed(SampleRandomDataset):
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, key: int) -> int:
+            return key * 10
+
+        def state_dict(self) -> dict:
+            return {"at": 1}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.loaded = state
+
+    dataset = Keyed(0, "test")
+    monkeypatch.delenv("TORCHTITAN_RNG_FAULT", raising=False)
+    assert held_samples(dataset, 0) is dataset
+    monkeypatch.setenv("TORCHTITAN_RNG_FAULT", "data_loading:0:0:hold")
+    assert held_samples(dataset, 1) is dataset  # armed for rank 0 only
+    held = held_samples(dataset, 0)
+    assert held is not dataset and [held[k] for k in range(3)] == [0, 10, 20]  # no worker here: no hold
+    assert not uses_global_rng(held) and uses_global_rng(held_samples(torch.utils.data.TensorDataset(torch.ones(2)), 0))
+    held.load_state_dict({"at": 2})
+    assert held.state_dict() == {"at": 1} and dataset.loaded == {"at": 2}

@@ -23,6 +23,8 @@ SAMPLE_KEYS = "sample_keys"
 class KeyedDataset(Dataset):
     """``dataset``'s samples, each with its key added (a dataset of dict samples)."""
 
+    adds_no_randomness = True
+
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
 

@@ -27,7 +27,6 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import Stateful
 
-from torchtitan_rng.data.sample_keys import KeyedDataset
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.rng import restore_host_rng
 
@@ -141,6 +140,8 @@ def restore_worker_rng(state: Any) -> None:
 class WorkerRNGDataset(Dataset):
     """Wraps a map-style dataset; Stateful, so StatefulDataLoader saves and restores it per worker."""
 
+    adds_no_randomness = True
+
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
 
@@ -169,7 +170,7 @@ class WorkerRNGDataset(Dataset):
 def uses_global_rng(dataset: Dataset) -> bool:
     """False for datasets declared form 1 (they derive all randomness from sample keys)."""
     inner = dataset
-    while isinstance(inner, (WorkerRNGDataset, KeyedDataset)):  # wrappers of ours add no randomness
+    while getattr(inner, "adds_no_randomness", False):  # a wrapper of ours: what it wraps decides
         inner = inner.dataset
     return not isinstance(inner, SampleRandomDataset)
 

@@ -1,6 +1,7 @@
 """Start the trainer as real processes from the installed package, in the caller's directory: one process
-runs ``python -m torchtitan_rng.train``, several run the launcher (preflight, then torchrun) on that module.
-Shared by verify_resume and the tests; needs no source checkout."""
+runs ``python -m torchtitan_rng.train`` (or another entry of the package that takes a training config, as the
+replay's), several run the launcher (preflight, then torchrun) on that module. Shared by verify_resume, replay
+and the tests; needs no source checkout."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from pathlib import Path
 
 def training_command(config_file: Path, args: list[str], nproc: int = 1) -> list[str]:
     """The command line of one run with ``nproc`` processes on this node."""
-    trainer = ["torchtitan_rng.train", "--job.config_file", str(config_file), *args]
+    return launch_command("torchtitan_rng.train", ["--job.config_file", str(config_file), *args], nproc)
+
+
+def launch_command(module: str, args: list[str], nproc: int = 1) -> list[str]:
+    """The command line of ``python -m module`` with training flags ``args`` on ``nproc`` processes."""
+    trainer = [module, *args]
     if nproc == 1:
         return [sys.executable, "-m", *trainer]
     # As run_train.sh starts it: rank 0's output only, each line tagged with its rank.

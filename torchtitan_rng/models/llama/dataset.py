@@ -56,10 +56,13 @@ class TokenWindowDataset(SampleRandomDataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, key: int) -> dict[str, torch.Tensor]:
+    def token_offset(self, key: int) -> int:
+        """Where sample ``key``'s window starts in the data's tokens (``samples`` and ``replay`` print it)."""
         _, index = self.epoch_and_index(key)
-        offset = int(torch.randint(0, self.stride, (1,), generator=self.sample_generator(key)))
-        start = index * self.stride + offset
+        return index * self.stride + int(torch.randint(0, self.stride, (1,), generator=self.sample_generator(key)))
+
+    def __getitem__(self, key: int) -> dict[str, torch.Tensor]:
+        start = self.token_offset(key)
         window = torch.from_numpy(np.asarray(self.tokens[start : start + self.stride]).astype(np.int64))
         return {"input": window[:-1], "labels": window[1:]}
 
