@@ -140,6 +140,15 @@ class ResumableDataLoader(StatefulDataLoader):
             self.before_iter()
         return CountingIterator(super().__iter__(), self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (inside a pickled Trainer, say): the live iterator's position becomes the pending state, so
+        the copy's first ``iter()`` resumes there; the iterator and its worker processes stay here (torch
+        cannot pickle them)."""
+        state = dict(self.__dict__, _iterator=None, _initial_iter_for_state_dict=False)
+        if self._iterator is not None:
+            state["next_iter_state"] = super().state_dict()
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         # Not iterated since construction or the last load: the state is the pending one (None: the start).
         # Asking torchdata would build an iterator, starting the workers only to throw them away (e.g. when

@@ -232,12 +232,32 @@ class _ExactRequest:
 
     def __call__(self) -> Any:
         loaders = self.request()
+        # Lightning calls this inside a context that patches DataLoader.__setattr__ and puts it back only when
+        # no exception leaves it: raised here, a refusal would leave every later DataLoader of the process
+        # recording its attributes (our loaders' live iterators among them, which a pickled Trainer then
+        # reaches). Handed back instead, it is raised at the loader's first iter(), right after the request.
+        try:
+            return self._exact(loaders)
+        except ValueError as refusal:
+            return _Refused(refusal)
+
+    def _exact(self, loaders: Any) -> Any:
         # One loader in a list, tuple or dict: the same container, so that batches keep their shape.
         if isinstance(loaders, (list, tuple)) and len(loaders) == 1:
             return type(loaders)([_Batches(_as_exact_loader(loaders[0], self.seed))])
         if isinstance(loaders, dict) and len(loaders) == 1:
             return {key: _Batches(_as_exact_loader(loader, self.seed)) for key, loader in loaders.items()}
         return _Batches(_as_exact_loader(loaders, self.seed))
+
+
+class _Refused:
+    """The train loader in place of one the callback refused: iterating it raises the refusal."""
+
+    def __init__(self, refusal: ValueError) -> None:
+        self.refusal = refusal
+
+    def __iter__(self) -> Any:
+        raise self.refusal
 
 
 class _Batches:

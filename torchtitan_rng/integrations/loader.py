@@ -59,6 +59,11 @@ class EpochLoader:
             self._pending_rng = None
         return next(self._iterator)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled: the loader pickles its live position (see ``ResumableDataLoader.__getstate__``), so the copy
+        makes its own iterator at its first batch."""
+        return dict(self.__dict__, _iterator=None)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's loader position and global streams, as they are between two training steps."""
         rank, world = rank_and_world_size()

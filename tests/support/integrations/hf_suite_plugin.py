@@ -1,8 +1,9 @@
 """pytest plugin: transformers' own Trainer tests run with ``ExactResumeTrainer`` wherever they build a
 ``transformers.Trainer`` (``from transformers import Trainer`` after this plugin loads gets it).
 
-transformers' tests are not in its sdist or wheel, so the suite cannot fetch them from the package
-registry; with a checkout of transformers at the installed version (tests/trainer), from this repository's root:
+No package registry carries transformers' trainer tests (docs/integrations.md says what was checked), so
+neither the suite nor CI can run them; with a checkout of transformers at the installed version (tests/trainer),
+from this repository's root:
 
     PYTHONPATH=. python -m pytest -p tests.support.integrations.hf_suite_plugin \\
         <transformers>/tests/trainer/test_trainer_checkpointing.py
