@@ -15,8 +15,8 @@ def plan_class(config: JobConfig) -> type[ParallelPlan]:
     """The plan of the mode ``config`` asks for."""
     pipelined, invariant = config.parallelism.pipeline_parallel_degree > 1, config.parallelism.world_size_invariant
     if pipelined:
-        # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU in every
-        # process (each rank and the launcher) of a run that does not pipeline.
+        # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU that the
+        # launcher of a run that does not pipeline need not spend.
         from torchtitan_rng.parallel.invariant.pipeline import InvariantPipelinePlan
         from torchtitan_rng.parallel.pipeline import PipelinePlan
 
