@@ -30,8 +30,10 @@ from torchtitan_rng.loss_log import read_loss_log
 
 STEPS = ("--training.steps", "4", "--lr_scheduler.total_steps", "4")
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "2")
-# Two stages, two micro-batches of 4 per schedule run (local batch 8), dropout 0.1 (the debug flavor's).
-PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4")
+# Two stages, two micro-batches of 4 per schedule run (local batch 8), dropout 0.1 (the debug flavor's), 2 loader
+# workers per rank (the first stage's feed the inputs, the last stage's the labels).
+PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "4",
+       "--data.num_workers", "2")
 LAYOUTS = {
     "1F1B": (*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"),
     "GPipe": (*PP2, "--parallelism.pipeline_parallel_schedule", "GPipe", "--checkpoint.async_mode", "async",
