@@ -25,13 +25,19 @@ def _batches(loader: EpochLoader, count: int) -> list[list[int]]:
     return [next(loader).tolist() for _ in range(count)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
+def _trained_three_of_five(workers: int) -> tuple[EpochLoader, list[list[int]]]:
+    """A loader that gave 3 batches, and the 5 an uninterrupted one gives."""
     reference = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
     expected = _batches(reference, 5)
     reference.close()
     trained = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
     assert _batches(trained, 3) == expected[:3]
+    return trained, expected
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
+    trained, expected = _trained_three_of_five(workers)
     trained.close()
     resumed = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
     resumed.load_state_dict(trained.state_dict())
@@ -41,11 +47,7 @@ def test_a_closed_loaders_state_is_where_it_stopped(workers: int) -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loader_pickled_mid_epoch_resumes_where_it_was(workers: int) -> None:
-    reference = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
-    expected = _batches(reference, 5)
-    reference.close()
-    trained = exact_resume_loader(Numbers(), batch_size=2, seed=0, num_workers=workers)
-    assert _batches(trained, 3) == expected[:3]
+    trained, expected = _trained_three_of_five(workers)
     copy = pickle.loads(pickle.dumps(trained))
     assert _batches(copy, 2) == expected[3:]
     assert _batches(trained, 2) == expected[3:]
