@@ -49,6 +49,9 @@ CTRL_C_NOT_LISTED = """
 import signal
 from torchtitan_rng import signals
 
+# Python's own Ctrl-C handler, as in a process started from a terminal (a suite started in the background
+# inherits SIGINT ignored, and giving back "ignored" would be right there too).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 signals.install(("SIGTERM", "SIGINT"))  # the defaults, before the config is read
 signals.install(("SIGTERM",))           # a config without SIGINT
 try:
