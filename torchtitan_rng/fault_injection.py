@@ -58,8 +58,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 ENV_VAR = "TORCHTITAN_RNG_FAULT"
 HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
-POINTS = ("startup", "data_loading", "compile", "before_step", "validation", "save_writing", "save_written", "save_marking", "save_renamed",
-          "prune", "loss_spike")
+POINTS = ("startup", "data_loading", "compile", "before_step", "validation", "save_writing", "save_written",
+          "save_marking", "save_renamed", "prune", "loss_spike")
 HOLD = 0  # the action "hold" (no signal has number 0)
 LOSS_SPIKE_FACTOR = 1000.0
 

@@ -8,7 +8,8 @@ loss and gradient norm (total and per block), then the step's gradient norm per 
 and one line: whether the step's loss and gradient norm equal those in RUN's loss log bit for bit (exit 0 when
 they do, 1 when not). A world-size-invariant run replays at any process count its micro-batches divide, without
 its pipeline stages; an ordinary run only at the count that trained it (another is refused in one line, exit 2:
-only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to stderr.
+only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to
+stderr.
 """
 
 from __future__ import annotations

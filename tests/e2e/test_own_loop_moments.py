@@ -152,8 +152,8 @@ def test_a_tampered_checkpoint_is_refused_naming_the_file(moments: dict, tmp_pat
     signed = json.loads((checkpoint / CHECKSUMS_NAME).read_text())
     write_checksums(checkpoint)  # the sums of the changed file, as an attacker would recompute them
     assert json.loads((checkpoint / CHECKSUMS_NAME).read_text()) != signed
-    proc = subprocess.run([*LOOP, str(tmp_path), str(STEPS + 2), "--signing-key-env", KEY_ENV], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=run_env(KEY), start_new_session=True)
+    proc = subprocess.run([*LOOP, str(tmp_path), str(STEPS + 2), "--signing-key-env", KEY_ENV], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=run_env(KEY), start_new_session=True)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert proc.stderr.strip() == (
         f"error: checkpoint {checkpoint} is refused: {CHECKSUMS_NAME} does not match its signature under the key "

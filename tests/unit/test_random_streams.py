@@ -55,7 +55,8 @@ def test_every_derived_seed_of_the_package_is_drawn_by_a_purpose_of_the_table() 
                 assert STREAMS[first.value].root == BY_NAME[name], f"{where}:{call.lineno}: wrong root for {name}"
                 used.add(first.value)
     # seed_training_streams, seed_micro_batch_streams, seed_layer_streams and seed_model_init draw inside rng.py.
-    assert used | {"training-streams", "micro-batch", "micro-batch-layer", "model-init"} == set(STREAMS), "a purpose of the table is drawn nowhere"
+    assert used | {"training-streams", "micro-batch", "micro-batch-layer", "model-init"} == set(STREAMS), \
+        "a purpose of the table is drawn nowhere"
 
 
 def test_seeds_are_those_of_the_plain_derivation() -> None:
