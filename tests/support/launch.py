@@ -3,15 +3,18 @@ several, run_train.sh where a test asks for it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtitan_rng.launch.runs import run_training, training_command
+from tests.support import cores, zygote
+from torchtitan_rng.launch.runs import training_command
 
 REPO = Path(__file__).resolve().parents[2]
 # Checkpoints every 2 steps: the bad-input tests' runs save at step 2. The horizon is pinned: their resumes
@@ -58,13 +61,46 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
     config_file = config if isinstance(config, Path) else REPO / "train_configs" / f"{config}.toml"
     if via_run_train:
         script_env = {"PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": str(config_file), **(env or {})}
-        proc = subprocess.run(["bash", str(REPO / "run_train.sh"), *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=timeout, env=run_env(script_env))
+        proc = launch(["bash", str(REPO / "run_train.sh"), *args], env=run_env(script_env), timeout=timeout,
+                      processes=nproc)
     else:
-        proc = run_training(config_file, args, nproc=nproc, env=run_env(env), timeout=timeout)
+        proc = launch(training_command(config_file, args, nproc), env=run_env(env), timeout=timeout,
+                      processes=nproc)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO,
+           timeout: float | None = 600, processes: int = 1) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` for a command that runs to its end: it
+    waits for ``processes`` free cores (cores.py), and a ``python -m`` command is forked from the warm
+    server where that changes nothing the process could see (zygote.py). ``TORCHTITAN_RNG_LAUNCH_RECORD``
+    names a file that gets a line per launch: test, processes, seconds waiting for cores, seconds running."""
+    env = run_env() if env is None else env
+    asked = time.monotonic()
+    with cores.held(processes):
+        started = time.monotonic()
+        warm = zygote.eligible(command, env)
+        if warm:
+            proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout)
+        else:
+            proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+        ended = time.monotonic()
+    _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "processes": processes,
+             "wait_s": round(started - asked, 3), "run_s": round(ended - started, 3), "warm": warm,
+             "exit": proc.returncode, "module": command[2] if command[1:2] == ["-m"] else Path(command[1]).name})
+    return proc
+
+
+_record_lock = threading.Lock()
+
+
+def _record(entry: dict[str, Any]) -> None:
+    path = os.environ.get("TORCHTITAN_RNG_LAUNCH_RECORD")
+    if path:
+        with _record_lock, open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(entry) + "\n")
 
 
 def together(*jobs: Callable[[], Any]) -> list[Any]:
@@ -78,16 +114,12 @@ def together(*jobs: Callable[[], Any]) -> list[Any]:
 
 
 def compare(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_rng.compare_losses", str(a), str(b), *extra],
-        cwd=REPO, capture_output=True, text=True, env=run_env(),
-    )
+    return launch([sys.executable, "-m", "torchtitan_rng.compare_losses", str(a), str(b), *extra])
 
 
 def verify(*args: str) -> subprocess.CompletedProcess:
     """``python -m torchtitan_rng.verify_resume`` with ``args``."""
-    return subprocess.run([sys.executable, "-m", "torchtitan_rng.verify_resume", *args], cwd=REPO,
-                          capture_output=True, text=True, env=run_env(), timeout=600)
+    return launch([sys.executable, "-m", "torchtitan_rng.verify_resume", *args])
 
 
 def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc: int = 1,
