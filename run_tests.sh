@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# ./run_tests.sh [pytest options]: the test suite, in the environment run_train.sh uses (set up on first use).
+# ./run_tests.sh [pytest options]: the test suite, in the environment run_train.sh uses (the test extras are
+# installed into it on first use), on one pytest worker per core (TEST_WORKERS=N for another count). Without
+# a -m option it runs every test but the slow tier (-m slow: the fresh-install, cross-Python, full-disk and
+# cluster-recipe tests, which CI adds).
 # e.g. ./run_tests.sh -m "not e2e" (the fast subset), ./run_tests.sh tests/e2e/test_bad_input.py -k config
 set -eu
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/python_env.sh"  # sets REPO; use_python
-use_python torch torchdata numpy pytest matplotlib transformers lightning s3fs moto
+EXTRAS=test,plot,hf,lightning,torchtitan use_python torch torchdata numpy pytest xdist matplotlib transformers \
+  lightning s3fs moto
 cd "$REPO"
-exec "$PYTHON" -m pytest -q "$@"
+case " $* " in
+  *" -m "* | *" -m"?*) ;;
+  *) set -- -m "not slow" "$@" ;;
+esac
+# Workers share the cores through tests/support/cores.py: a run starts when its processes have a core each.
+exec "$PYTHON" -m pytest -q -n "${TEST_WORKERS:-$(nproc)}" "$@"

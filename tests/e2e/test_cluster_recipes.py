@@ -31,6 +31,8 @@ from torchtitan_rng.checkpoint.layout import complete_steps, resolve_checkpoint
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.launch.run_lock import lock_path
 
+pytestmark = pytest.mark.slow  # the cluster recipes' job chains (CI runs the slow tier)
+
 LLAMA = REPO / "train_configs" / "llama_debug.toml"
 FLUX = REPO / "train_configs" / "flux_debug.toml"
 # 2 processes, 10 steps on the 20-step curve of the session's uninterrupted 2-process run; saves at 4 and 8.

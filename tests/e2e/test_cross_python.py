@@ -15,6 +15,8 @@ import pytest
 from tests.support.launch import REPO, compare, run_env, together, train
 from torchtitan_rng.launch.runs import training_command
 
+pytestmark = pytest.mark.slow  # a second interpreter's runs (CI runs the slow tier)
+
 
 OTHER = os.environ.get("TORCHTITAN_RNG_OTHER_PYTHON", "")
 COMMON = ("--checkpoint.enable", "--checkpoint.interval", "3", "--lr_scheduler.total_steps", "6",

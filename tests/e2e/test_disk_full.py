@@ -24,6 +24,8 @@ from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.launch.run_lock import LOCK_NAME
 
+pytestmark = pytest.mark.slow  # a full filesystem in a user namespace (CI runs the slow tier)
+
 CONFIG = REPO / "train_configs" / "llama_debug.toml"
 # 4 steps on the 20-step curve of the session's uninterrupted 2-process run; saves at 2 and 4 (about 2.1 MB
 # each). The disk: 3500 KiB, 512 KiB of them the user's own file: after the first save no room for a second.

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.launch import REPO
+
+pytestmark = pytest.mark.slow  # a fresh virtual environment and pip install (CI runs the slow tier)
 
 
 # The CPU build that lies on this machine's disk (pip finds it without a download).

@@ -74,17 +74,18 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
 def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO,
            timeout: float | None = 600, processes: int = 1) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for a command that runs to its end: it
-    waits for ``processes`` free cores (cores.py), and a ``python -m`` command is forked from the warm
-    server where that changes nothing the process could see (zygote.py). ``TORCHTITAN_RNG_LAUNCH_RECORD``
+    waits for ``processes`` free cores (cores.py), and a ``python -m`` command (or the one run_train.sh runs)
+    is forked from the warm server where that changes nothing the process could see (zygote.py). ``TORCHTITAN_RNG_LAUNCH_RECORD``
     names a file that gets a line per launch: test, processes, seconds waiting for cores, seconds running."""
     env = run_env() if env is None else env
     asked = time.monotonic()
     with cores.held(processes):
         started = time.monotonic()
-        warm = zygote.eligible(command, env)
-        if warm:
-            proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout)
-        else:
+        if env.get("PYTHON") == sys.executable:  # run_train.sh's interpreter: the warm stand-in, if any
+            env = {**env, "PYTHON": zygote.relay_for(env) or sys.executable}
+        proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout)
+        warm = proc is not None or env.get("PYTHON", sys.executable) != sys.executable
+        if proc is None:
             proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
         ended = time.monotonic()
     _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "processes": processes,
@@ -104,9 +105,9 @@ def _record(entry: dict[str, Any]) -> None:
 
 
 def together(*jobs: Callable[[], Any]) -> list[Any]:
-    """Run independent jobs (each a training run or a chain of them, in its own folders) all at once; their
-    results in order, the first failure raised. A one-process run keeps one core busy: side by side they use
-    the 2-core CI machine. The runs are deterministic, so running them side by side changes none of their bits.
+    """Run independent jobs (each a training run or a chain of them, in its own folders) side by side, each
+    launch as soon as its processes have free cores (cores.py); their results in order, the first failure
+    raised. The runs are deterministic, so running them side by side changes none of their bits.
     Make their folders before (``tmp_path_factory.mktemp`` is not safe to call from several threads at once)."""
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = [pool.submit(job) for job in jobs]

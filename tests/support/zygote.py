@@ -1,25 +1,32 @@
 """A warm start for the Python processes the tests launch: a server that has imported torch and this package,
 and run no torch op, forks one fresh child per command (never a reused worker: a process that trained once
 keeps dynamo config, thread counts, deterministic-algorithm flags, signal handlers and registries, exactly
-what this project exists to catch). A child is ``python -m MODULE ARGS`` with the caller's environment,
+what this project exists to catch). A child is ``python [-u] -m MODULE ARGS`` with the caller's environment,
 directory and output files, and ends as that process would (``sys.exit``, then the interpreter's own
 shutdown); its exit status reaches the caller as ``subprocess.run``'s ``returncode``.
 
-What a fork cannot change is decided when the server starts, so :func:`eligible` sends a command to the
-server only when nothing read at start-up would differ: the same ``OMP_NUM_THREADS`` (torch fixes its thread
-count at import), no accelerator (a driver must not be initialised before a fork), and an environment equal
-to the server's but for variables read at run time (``RUN_TIME_ENV``). Everything else, and every test about
-how a process is started or signalled, is started as a new interpreter. ``TORCHTITAN_RNG_ZYGOTE=0`` turns the
-server off. Each child shares the server's string-hash seed; the launcher's ranks, started by torchrun, do
-not.
+What a fork cannot change was decided when the server started, so the server forks only a command whose
+environment agrees with its own in everything read at start-up (:func:`_startup_differs`: thread counts,
+Python's and torch's start-up variables, the device choice); it answers "cold" to the rest, which then run
+as new interpreters. ``TORCHTITAN_RNG_ZYGOTE=0`` turns the server off. Each forked child shares the server's
+string-hash seed.
+
+Inside a forked child ``sys.executable`` is the server's relay, a stand-in Python without torch: given
+``[-u] -m MODULE ...`` it has the server fork that command with the relay's environment and output files,
+passes on every signal it gets and exits as the child did; given anything else it becomes the real
+interpreter (``exec``). So the processes a forked command starts (torchrun's ranks, the runs of
+``verify_resume`` and ``replay``, ``run_train.sh`` given ``PYTHON=relay``) are warm too. A relay dies with
+its parent (torchrun's SIGKILL, a killed launcher), and the server then kills its child.
 
     python -m tests.support.zygote SOCKET   # the server; it answers until its standard input closes
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
+import io
 import json
 import os
 import runpy
@@ -40,17 +47,37 @@ REPO = Path(__file__).resolve().parents[2]
 # launcher (torchrun), the tools.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torchtitan_rng.trainer",
            "torchtitan_rng.launch.launcher", "torchtitan_rng.compare_losses", "torchtitan_rng.verify_resume")
-# Variables the package and its storage back-ends read when a run uses them, not at import.
-RUN_TIME_ENV = ("TORCHTITAN_RNG_FAULT", "TORCHTITAN_RNG_FAULT_DIR", "TORCHTITAN_RNG_RUN_LOCK", "AWS_",
-                "PYTHONPATH", "PYTHONFAULTHANDLER", "PYTEST_CURRENT_TEST")
+# Variables whose value may differ from the server's: read when a run uses them, not at start-up (PYTHON:
+# run_train.sh's choice of interpreter; PWD, OLDPWD, SHLVL and _: a shell's own).
+RUN_TIME = {"PYTHON", "PYTHONPATH", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "PWD",
+            "OLDPWD", "SHLVL", "_"}
+RUN_TIME_PREFIXES = ("TORCHTITAN_RNG_", "AWS_")
+# Variables Python, its allocator, OpenMP or torch read at start-up or import: a child may not add them.
+START_UP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "CUDA_", "TORCHINDUCTOR_",
+            "TORCHDYNAMO_", "TORCH_LOGS", "TORCH_COMPILE", "TORCHTITAN_RNG_DEVICE")
 _HEADER = struct.Struct("!I")
+_RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _startup_differs(env: dict[str, str], own: dict[str, str]) -> bool:
+    for key in own.keys() | env.keys():
+        if env.get(key) == own.get(key) or key in RUN_TIME or (
+                key.startswith(RUN_TIME_PREFIXES) and not key.startswith(START_UP)):
+            continue
+        if key in own or key.startswith(START_UP):
+            return True  # changed, removed, or a start-up variable added
+    return False
 
 
 # ---- the server ---------------------------------------------------------------------------------------------
 
 def _serve(path: str) -> None:
+    own = dict(os.environ)  # as start-up saw it
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports put in the environment (torch: TORCHINDUCTOR_CACHE_DIR), as they would in a new process.
+    imported = {key: value for key, value in os.environ.items() if key not in own}
+    relay = _write_relay(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -61,29 +88,57 @@ def _serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection of the caller waiting for it
     gc.freeze()  # the preloaded heap: children neither scan it nor copy its pages by touching it
-    print("ready", flush=True)
+    print(relay, flush=True)
     while True:
-        readable, _, _ = select.select([listener, wake_read, sys.stdin], [], [])
+        readable, _, _ = select.select([listener, wake_read, sys.stdin, *waiting.values()], [], [])
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
             for pid in waiting:  # the test session is gone: so are its runs
                 os.kill(pid, signal.SIGKILL)
             return
+        for pid, conn in list(waiting.items()):
+            if conn in readable:  # its caller is gone (a timeout, a killed relay): so is the run
+                os.kill(pid, signal.SIGKILL)
+                waiting.pop(pid).close()
         if wake_read in readable:
             os.read(wake_read, 4096)
             _reap(waiting)
         if listener in readable:
             conn, _ = listener.accept()
-            request, fds = _receive(conn)
+            try:
+                request, fds = _receive(conn)
+            except (OSError, ValueError) as err:  # a caller that died mid-request: the others go on
+                print(f"zygote: dropped a request ({err})", file=sys.stderr, flush=True)
+                conn.close()
+                continue
+            if _startup_differs(request["env"], own):
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(b"cold\n")
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
-                for fd in (wake_read, wake_write, listener.fileno(), conn.fileno()):
+                # The server's files are not the child's. Sockets are detached first: a socket object closing
+                # its number at shutdown would close whatever the run had opened under it since (gloo's).
+                for sock in (listener, conn, *waiting.values()):
+                    os.close(sock.detach())
+                for fd in (wake_read, wake_write):
                     os.close(fd)
-                _become(request, fds)  # never returns: the child exits as `python -m` would
+                _become(request, fds, relay, imported)  # never returns: the child exits as `python -m` would
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"pid {pid}\n".encode())
             waiting[pid] = conn
             _reap(waiting)  # a child may have ended before it was registered
+
+
+def _write_relay(path: str) -> str:
+    """The stand-in Python of the forked children: this interpreter running :func:`relay`."""
+    relay = os.path.join(os.path.dirname(path), "python")
+    Path(relay).write_text(f"#!{sys.executable} -I\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
+                           f"from tests.support.zygote import relay\nrelay({path!r}, {sys.executable!r})\n")
+    os.chmod(relay, 0o755)
+    return relay
 
 
 def _reap(waiting: dict[int, socket.socket]) -> None:
@@ -101,14 +156,23 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    size = _HEADER.unpack_from(data)[0]
-    while len(data) < _HEADER.size + size:
-        data += conn.recv(1 << 16)
-    return json.loads(data[_HEADER.size:]), fds
+    """A request: its length with the caller's three files attached, then its JSON."""
+    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+    header += _exactly(conn, _HEADER.size - len(header))
+    return json.loads(_exactly(conn, _HEADER.unpack(header)[0])), fds
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the caller closed the connection mid-request")
+        data += chunk
+    return data
+
+
+def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[str, str]) -> None:
     """In the forked child: take the caller's files, environment, directory and arguments, and run."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -117,14 +181,18 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         os.close(fd)
     env: dict[str, str] = request["env"]
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**imported, **env})
     os.chdir(request["cwd"])
     # As `python -m` lays out sys.path: the working directory, then PYTHONPATH, then the installation's.
     started = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     sys.path[:] = [*started, *(entry for entry in sys.path[1:] if entry not in started)]
+    if request["unbuffered"] or env.get("PYTHONUNBUFFERED"):  # as -u: every write reaches the file at once
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     if env.get("PYTHONFAULTHANDLER"):
         import faulthandler
         faulthandler.enable()
+    sys.executable = relay
     sys.argv = ["-m", *request["args"]]
     # `python -m` runs the module as __main__ itself, which lives until the interpreter shuts down.
     sys.modules["__main__"] = types.ModuleType("__main__")
@@ -132,16 +200,89 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     sys.exit(0)
 
 
-# ---- the caller's side --------------------------------------------------------------------------------------
+def _parse(argv: list[str]) -> tuple[str, list[str], bool] | None:
+    """``[-u] -m MODULE ARGS`` as (module, args, unbuffered); None for any other command line."""
+    unbuffered = argv[:1] == ["-u"]
+    rest = argv[1:] if unbuffered else argv
+    if len(rest) < 2 or rest[0] != "-m":
+        return None
+    return rest[1], rest[2:], unbuffered
+
+
+def _ask(path: str, command: dict[str, Any], fds: list[int]) -> tuple[socket.socket, int] | None:
+    """Send ``command`` to the server: the connection and the child's pid, or None when it must run cold."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    data = json.dumps(command).encode()
+    header = _HEADER.pack(len(data))
+    sent = socket.send_fds(conn, [header], fds)
+    conn.sendall(header[sent:] + data)
+    reply = _line(conn)
+    if reply == "cold":
+        conn.close()
+        return None
+    return conn, int(reply.split()[1])
+
+
+def _line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            raise RuntimeError("the test zygote closed the connection")
+        data += chunk
+    return data.decode().strip()
+
+
+# ---- the relay: the forked children's `python` --------------------------------------------------------------
+
+def relay(path: str, python: str) -> None:
+    """Have the server fork ``[-u] -m MODULE ...``, pass on signals, exit as it did; else become ``python``."""
+    parsed = _parse(sys.argv[1:])
+    if parsed is None:
+        os.execv(python, [python, *sys.argv[1:]])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent, as its child would
+    child: list[int] = []
+    pending: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        if child:
+            os.kill(child[0], signum)
+        else:
+            pending.append(signum)
+
+    for signum in _RELAYED:
+        signal.signal(signum, forward)
+    module, args, unbuffered = parsed
+    asked = _ask(path, {"module": module, "args": args, "unbuffered": unbuffered, "env": dict(os.environ),
+                        "cwd": os.getcwd()}, [0, 1, 2])
+    if asked is None:
+        for signum in _RELAYED:
+            signal.signal(signum, signal.SIG_DFL)
+        os.execv(python, [python, *sys.argv[1:]])
+    conn, pid = asked
+    child.append(pid)
+    for signum in pending:
+        os.kill(pid, signum)
+    code = int(_line(conn).split()[1])
+    if code < 0:  # the child died by a signal: so does its relay, for its parent to see
+        for signum in _RELAYED:
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+# ---- the test process's side --------------------------------------------------------------------------------
 
 class _Server:
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
         self.folder = tempfile.mkdtemp(prefix="torchtitan_rng_zygote_")
         self.path = os.path.join(self.folder, "socket")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", self.path], cwd=REPO,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
+        self.relay = self.proc.stdout.readline().strip()
+        if not self.relay:
             raise RuntimeError(f"the test zygote did not start (exit {self.proc.wait()})")
 
 
@@ -154,58 +295,48 @@ def _server(env: dict[str, str]) -> _Server:
     threads = env.get("OMP_NUM_THREADS", "")
     with _lock:
         if threads not in _servers:
-            _servers[threads] = _Server({key: value for key, value in env.items() if not _run_time(key)})
+            _servers[threads] = _Server(env)
         return _servers[threads]
 
 
-def _run_time(key: str) -> bool:
-    return key.startswith(RUN_TIME_ENV)
-
-
-def _accelerator() -> bool:
-    import torch
-    return torch.accelerator.is_available()
-
-
-def eligible(command: list[str], env: dict[str, str]) -> bool:
-    """Whether the server can start ``command`` exactly as a new interpreter would."""
+def enabled() -> bool:
     if os.environ.get("TORCHTITAN_RNG_ZYGOTE", "1") == "0" or sys.platform != "linux":
         return False
-    if len(command) < 3 or command[0] != sys.executable or command[1] != "-m" or _accelerator():
-        return False
-    with _lock:
-        server = _servers.get(env.get("OMP_NUM_THREADS", ""))
-    base = server.env if server is not None else None
-    fixed = {key: value for key, value in env.items() if not _run_time(key)}
-    return base is None or fixed == base
+    import torch
+    return not torch.accelerator.is_available()  # no driver may be initialised before a fork
+
+
+def relay_for(env: dict[str, str]) -> str | None:
+    """The stand-in Python that forks ``python -m`` commands run with ``env`` (None: the server is off)."""
+    return _server(env).relay if enabled() else None
 
 
 def run(command: list[str], *, env: dict[str, str], cwd: str | Path,
-        timeout: float | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, capture_output=True, text=True, ...)`` through the server (see eligible)."""
-    server = _server(env)
-    request = json.dumps({"module": command[2], "args": command[3:], "env": env, "cwd": str(cwd)}).encode()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null, \
-            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(server.path)
-        message = _HEADER.pack(len(request)) + request
-        socket.send_fds(conn, [message[:4096]], [null.fileno(), out.fileno(), err.fileno()])
-        conn.sendall(message[4096:])
-        replies = conn.makefile("r")
-        pid = int(replies.readline().split()[1])
-        conn.settimeout(timeout)
-        try:
-            line = replies.readline()
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(command, timeout) from None
-        if not line.startswith("exit "):
-            raise RuntimeError(f"the test zygote stopped while running {' '.join(command)}")
+        timeout: float | None = None) -> subprocess.CompletedProcess | None:
+    """``subprocess.run(command, capture_output=True, text=True, ...)`` forked by the server; None when the
+    command must run as a new interpreter (not ``python -m``, another start-up environment, server off)."""
+    parsed = _parse(command[1:]) if command[0] == sys.executable else None
+    if parsed is None or not enabled():
+        return None
+    module, args, unbuffered = parsed
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
+        asked = _ask(_server(env).path, {"module": module, "args": args, "unbuffered": unbuffered, "env": env,
+                                          "cwd": str(cwd)}, [null.fileno(), out.fileno(), err.fileno()])
+        if asked is None:
+            return None
+        conn, pid = asked
+        with conn:
+            conn.settimeout(timeout)
+            try:
+                code = int(_line(conn).split()[1])
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(command, timeout) from None
         outputs = []
         for file in (out, err):
             file.seek(0)
             outputs.append(file.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(command, int(line.split()[1]), *outputs)
+    return subprocess.CompletedProcess(command, code, *outputs)
 
 
 if __name__ == "__main__":
