@@ -7,7 +7,11 @@ signal forwarded by torchrun during that time must not kill a rank.
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from torchtitan_rng.config import Signals, parse_args, usage
 from torchtitan_rng.errors import TorchtitanRngError, report
@@ -38,5 +42,26 @@ def main(argv: list[str] | None = None) -> int:
         signals.ignore_checkpoint_signals()
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` once the run is closed, without interpreter finalization.
+
+    A process group can outlive ``destroy_process_group()`` when something still holds it (on the way out of a
+    failure, the traceback's frames; in torch, references the trainer cannot drop): its gloo worker threads
+    live on, and one that releases a collective's Python tensor after finalization began asks for the GIL,
+    which ends the thread inside a C++ destructor: std::terminate, SIGABRT, and a finished run exits non-zero.
+    What finalization would do that matters here is done first: non-daemon threads joined, atexit handlers
+    run (the run lock's release), output flushed."""
+    shutdown = getattr(threading, "_shutdown", None)  # what finalization calls first (CPython)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader is gone
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -13,6 +13,7 @@ stop) a step reads nothing from the device: the loss log queues device tensors a
 
 from __future__ import annotations
 
+import gc
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -68,6 +69,7 @@ class Trainer:
         config = self.config
         self.world = world = init_distributed(config)
         self._closing.callback(lambda: teardown(clean=not self._failed))
+        self._closing.callback(self._release)  # just before the teardown
         self.faults = FaultInjector.from_env(world.rank)
         if self.faults is not None:
             self.faults.at("startup", 0)
@@ -230,6 +232,23 @@ class Trainer:
     def close(self) -> None:
         """Release everything the run opened; safe to call after a failure at any point, and twice."""
         self._closing.close()
+
+    # What holds a process group: FSDP's state in the model (and so the optimizer, the checkpoint parts), the
+    # stop vote's group; the mesh resolves its groups by name. replay_step's observer wraps _step around the model.
+    _HOLDING_GROUPS = ("parts", "plan", "train_state", "probe", "checkpointer", "stop_vote", "stream_plan", "faults",
+                       "_step")
+
+    def _release(self) -> None:
+        """Drop the references to the process groups before the teardown, so that destroy_process_group()
+        destroys them and joins their gloo worker threads while Python is alive. A group that outlives it keeps
+        threads that may drop a collective's Python tensor after finalization began: the GIL they then ask for
+        ends them inside a C++ destructor, i.e. std::terminate ("terminate called without an active exception",
+        SIGABRT) after a run that finished. Then world and dump_folder stay, the rest is gone."""
+        for name in self._HOLDING_GROUPS:
+            self.__dict__.pop(name, None)
+        if getattr(self, "world", None) is not None:
+            self.world.mesh = None
+        gc.collect()  # the model's modules and FSDP's hooks refer to each other
 
 
 def run(config: JobConfig) -> int:
