@@ -63,5 +63,10 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> NoReturn:
+    """The console script ``torchtitan-rng-train`` and ``python -m torchtitan_rng.train``."""
     exit_now(main())
+
+
+if __name__ == "__main__":
+    cli()
