@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from tests.support.checks import assert_same_tensors
-from tests.support.launch import REPO, run_env, together
+from tests.support.launch import REPO, launch, run_env, together
 
 SCRIPT = "tests.support.integrations.hf_run"
 # 24 samples, batch 2, accumulation 2: 6 optimizer steps an epoch; evaluation and saves every 3 steps.
@@ -32,8 +32,7 @@ TWICE = (*COMMON, "--save-steps", "1000", "--jit", "--max-steps", str(STOP))
 def _run(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    return subprocess.run([*launcher, SCRIPT, "--out", str(out), *args], cwd=REPO, capture_output=True, text=True,
-                          env=run_env(), timeout=240)
+    return launch([*launcher, SCRIPT, "--out", str(out), *args], timeout=240, processes=nproc)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

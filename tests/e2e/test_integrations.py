@@ -5,21 +5,20 @@ stop, differ. Dataset draws from random / numpy / torch in 2 workers; dropout on
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, run_env, together
+from tests.support.launch import launch, together
 
 
 def _run(script: str, out: Path, *args: str, nproc: int = 1) -> None:
     """Runs tests/support/integrations/``script``.py as a module, on one process or under torchrun."""
     launcher = [sys.executable, "-m"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    proc = subprocess.run([*launcher, f"tests.support.integrations.{script}", "--out", str(out), *args], cwd=REPO,
-                          capture_output=True, text=True, env=run_env(), timeout=300)
+    proc = launch([*launcher, f"tests.support.integrations.{script}", "--out", str(out), *args], timeout=300,
+                  processes=nproc)
     assert proc.returncode == 0, f"{script} {args} exited {proc.returncode}\n{proc.stderr[-4000:]}"
 
 

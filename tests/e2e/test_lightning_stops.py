@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.support.checks import assert_same_tensors
-from tests.support.launch import REPO, run_env, together
+from tests.support.launch import REPO, launch, run_env, together
 
 SCRIPT = "tests.support.integrations.lightning_run"
 STEPS = 6
@@ -42,8 +42,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(out, *args, nproc=nproc), cwd=REPO, capture_output=True, text=True, env=_env(),
-                          timeout=TIMEOUT)
+    return launch(_command(out, *args, nproc=nproc), env=_env(), timeout=TIMEOUT, processes=nproc)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checks import assert_every_line_matches
-from tests.support.launch import REPO, compare, run_env, together, train
+from tests.support.launch import compare, launch, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
 STEPS, STOP = 4, 2
@@ -63,9 +63,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         layout("pp2_dp2")
         together(lambda: train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
                                str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP)),
-                 lambda: replayed.setdefault("tool", subprocess.run(
-                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1)],
-                     cwd=REPO, capture_output=True, text=True, env=run_env(), timeout=600)))
+                 lambda: replayed.setdefault("tool", launch(
+                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1)])))
 
     together(pp_dp_then_replay, *(lambda name=name: layout(name) for name in LAYOUTS if name != "pp2_dp2"),
              lambda: train(dumps["ordinary_pp1"], *ORDINARY),

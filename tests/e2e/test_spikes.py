@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.support.checks import float_bits
-from tests.support.launch import REPO, compare, run_env, together, train
+from tests.support.launch import REPO, launch, compare, run_env, together, train
 from tests.support.token_data import write_jsonl, write_token_file
 from torchtitan_rng import replay, samples
 from torchtitan_rng.config import parse_args
@@ -65,8 +65,8 @@ def _stopped_and_resumed(dump: Path, first: tuple[str, ...], then: tuple[str, ..
 def _replay(dump: Path, step: int, *args: str) -> subprocess.CompletedProcess:
     """The command as a user runs it; the spike is injected as in the run (it stands for the data). Its result is
     kept in the dump folder for the tests."""
-    proc = subprocess.run([sys.executable, "-m", "torchtitan_rng.replay", str(dump), "--step", str(step), *args],
-                          cwd=REPO, capture_output=True, text=True, env=run_env(SPIKES), timeout=600)
+    proc = launch([sys.executable, "-m", "torchtitan_rng.replay", str(dump), "--step", str(step), *args],
+                  env=run_env(SPIKES))
     (dump / "replay.out").write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
     return proc
 

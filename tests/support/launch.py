@@ -119,8 +119,9 @@ def compare(a: Path, b: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def verify(*args: str) -> subprocess.CompletedProcess:
-    """``python -m torchtitan_rng.verify_resume`` with ``args``."""
-    return launch([sys.executable, "-m", "torchtitan_rng.verify_resume", *args])
+    """``python -m torchtitan_rng.verify_resume`` with ``args``; it holds the cores its runs use."""
+    processes = int(args[args.index("--nproc") + 1]) if "--nproc" in args else 1
+    return launch([sys.executable, "-m", "torchtitan_rng.verify_resume", *args], processes=processes)
 
 
 def stop_and_resume(dump: Path, stop_at: int, total: int, *overrides: str, nproc: int = 1,

@@ -176,6 +176,9 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
     """In the forked child: take the caller's files, environment, directory and arguments, and run."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # A process group of its own: a run that signals its group (os.killpg) reaches neither the server, nor
+    # the test process, nor the other runs. Tests about process groups start their processes themselves.
+    os.setpgid(0, 0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
