@@ -17,6 +17,10 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * validation under preserved streams (the trainer's validator, wrapped the same way when it is enabled);
 * a stop signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary (one CPU all-reduce, read a step
   later), save a full checkpoint at that step, and the loop ends there: the run exits 0;
+* a loss log (``loss_log.jsonl`` in ``dump_folder``, this project's format): every step torchtitan logs
+  (``metrics.log_freq``), its float32 ``global_avg_loss`` written exactly, by the rank torchtitan reports
+  metrics from (under pipeline parallelism, the last stage's), so ``python -m torchtitan_rng.compare_losses``
+  reads torchtitan runs; written with or without ``--checkpoint.enable``;
 * the run record of this project (``run.json``: every resolved config key and the versions) in every
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
   WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
@@ -45,6 +49,7 @@ from typing import Any, Iterator, Literal
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
+from torchtitan.components.metrics import _get_metrics_rank
 from torchtitan.config.override import derive, override
 from torchtitan.tools.logging import logger
 
@@ -54,6 +59,7 @@ from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
+from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng import signals as checkpoint_signals
 from torchtitan_rng.rng import preserved_global_rng
 
@@ -122,6 +128,32 @@ def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return lines
 
 
+def attach_loss_log(trainer: Any) -> LossLogWriter | None:
+    """Record each step torchtitan logs into ``{dump_folder}/loss_log.jsonl``, on the rank torchtitan logs
+    metrics from (the one that holds the loss: under pipeline parallelism the other stages log -1.0); None
+    on every other rank. The trainer's ``metrics_processor.log`` receives the step's float32
+    ``global_avg_loss`` (as a Python float, the same value TensorBoard stores); the instance's method is
+    replaced, not the object wrapped, because the trainer assigns the processor's attributes."""
+    rank = rank_and_world_size()[0]
+    writer_rank = _get_metrics_rank(parallel_dims=trainer.parallel_dims,
+                                    pp_schedule=trainer.config.parallelism.pipeline_parallel_schedule)
+    if rank != writer_rank:
+        return None
+    writer = LossLogWriter(loss_log_path(trainer.config.dump_folder))
+    processor = trainer.metrics_processor
+    log = processor.log
+
+    def log_and_record(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+                       extra_metrics: dict[str, Any] | None = None) -> Any:
+        lr = next((value for key, value in (extra_metrics or {}).items() if key.startswith("lr/")), None)
+        writer.write({"step": step, "loss": global_avg_loss, "lr": lr, "grad_norm": grad_norm})
+        writer.flush()  # host floats already: no device sync; fsynced, so a kill loses no logged step
+        return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    processor.log = log_and_record
+    return writer
+
+
 class _RestoreAfterIter:
     """The trainer's dataloader as the training loop sees it: ``iter()`` creates the loader's iterator,
     then puts back the loaded streams (the step boundary, nothing of the resumed step has drawn yet)."""
@@ -174,6 +206,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
             checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
+        self.loss_log = attach_loss_log(kwargs["states"][TRAIN_STATE])
         super().__init__(config, **kwargs)
         if not self.enable:
             if rank_and_world_size()[0] == 0:
@@ -276,6 +310,9 @@ class ExactResumeCheckpointManager(CheckpointManager):
         if getattr(self, "vote", None) is not None:
             self.vote.close()  # every rank has one vote in flight; finish it before the group goes
             self.vote = None
+        if getattr(self, "loss_log", None) is not None:
+            self.loss_log.close()
+            self.loss_log = None
         super()._close()
 
 
