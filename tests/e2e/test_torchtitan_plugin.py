@@ -13,14 +13,17 @@ TensorBoard events are converted into a loss log here:
   inside the checkpoint load (before ``iter(dataloader)``) differs;
 * a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
   torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
+* the plug-in's checkpoint at the stop resumed by 1 process: one WARNING line naming both layouts and the rule
+  for each rank's streams;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
   wrapper's control: in-process, below).
 
-The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. The 10 runs go
-two at a time; the learning rate is flat after warm-up (``--lr_scheduler.decay_ratio 0``) because
-torchtitan builds its schedule on ``training.steps``, which the end-of-steps stop changes.
+The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. The 10 two-process
+runs go two at a time, then the one-process run; the learning rate is flat after warm-up
+(``--lr_scheduler.decay_ratio 0``) because torchtitan builds its schedule on ``training.steps``, which the
+end-of-steps stop changes.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
 
 
-def _command(assets: Path, dump: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def _command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_llama",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
             # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
@@ -73,8 +76,8 @@ def _env(assets: Path) -> dict[str, str]:
     return run_env({"HF_HOME": str(assets / "hf_home"), "HF_DATASETS_OFFLINE": "1"})
 
 
-def _train(assets: Path, dump: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_command(assets, dump, steps, *extra), cwd=REPO, capture_output=True, text=True,
+def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(assets, dump, steps, *extra, nproc=nproc), cwd=REPO, capture_output=True, text=True,
                           env=_env(assets), timeout=400)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
@@ -150,7 +153,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("torchtitan")
     assets = root / "assets"
     torchtitan_cpu.write_assets(assets)
-    names = ("full", "stopped", "stock", "signalled", "at_load", "stock_ckpt", "plugin_ckpt")
+    names = ("full", "stopped", "stock", "signalled", "at_load", "stock_ckpt", "plugin_ckpt", "fewer")
     dumps = {name: root / name for name in names}
     plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
     outputs: dict[str, str] = {}
@@ -163,6 +166,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # The plug-in's checkpoint at the stop, resumed by the restore-at-load control and by stock torchtitan.
     _copy_checkpoint(dumps["stopped"], dumps["at_load"], STOP)
     _copy_checkpoint(dumps["stopped"], dumps["plugin_ckpt"], STOP)
+    _copy_checkpoint(dumps["stopped"], dumps["fewer"], STOP)
     together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
              lambda: _train(assets, dumps["stock"], STOP))
     _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
@@ -173,6 +177,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
              lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq", "49")))
     together(lambda: keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin)),
              lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)))
+    # The 2-process checkpoint resumed by 1 process, for one step. torchtitan's dataloader refuses another dp
+    # degree (an assertion), so its state is not loaded: the documented way to change the process count.
+    keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *plugin, "--checkpoint.exclude_from_loading",
+                         "dataloader", nproc=1))
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -284,6 +292,19 @@ def test_stock_checkpoint_resumes_with_one_warning(runs: dict[str, Path]) -> Non
     assert len(warnings) == 1, f"expected one WARNING line, got {warnings}"
     assert "holds no random streams" in warnings[0] and "not exact" in warnings[0]
     assert (runs["stock_ckpt"] / "checkpoint" / f"step-{STEPS}").is_dir()
+
+
+def test_another_process_count_is_named_once_with_the_rule(runs: dict[str, Path]) -> None:
+    out = _outputs(runs)["fewer"]
+    warnings = [line for line in out.splitlines() if "WARNING - torchtitan_rng" in line]
+    expected = ("torchtitan_rng: the checkpoint was saved by 2 processes (dp_shard 2) and this run has 1 process "
+                "(no parallelism): rank 0 restores the streams saved by the rank of the same number; the streams "
+                "saved by rank 1 are not used; this resume is not exact")
+    assert len(warnings) == 1 and warnings[0].endswith(expected), warnings
+    assert json.loads((runs["stopped"] / "checkpoint" / f"step-{STOP}" / "run.json").read_text())["layout"] == {
+        "world_size": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+    # Control: the same-layout resumes of the same checkpoint say nothing of the kind.
+    assert "saved by" not in _outputs(runs)["stopped"] + _outputs(runs)["at_load"]
 
 
 def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path]) -> None:
