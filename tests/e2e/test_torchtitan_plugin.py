@@ -1,5 +1,6 @@
 """The torchtitan plug-in (``--override.imports torchtitan_rng.integrations.torchtitan.exact_resume``) with the
-real torchtitan 0.3 wheel: 2 processes on the CPU (gloo, FSDP2), a 2-layer llama with attention dropout.
+real torchtitan 0.3 wheel: 2 processes on the CPU (gloo, FSDP2), a 2-layer llama with attention dropout, and a
+tiny Flux (at the end of the file).
 
 Every run trains the same 4 steps (or part of them); the losses are torchtitan's own float32 global average
 loss, compared bit for bit by ``compare_losses``: the plug-in's runs write ``loss_log.jsonl`` themselves (equal
@@ -15,6 +16,7 @@ TensorBoard events are converted into a loss log here:
   torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
 * the plug-in's checkpoint at the stop resumed by 1 process: one WARNING line naming both layouts and the rule
   for each rank's streams;
+* Flux (torchtitan's FluxTrainer, validating): stopped at 3 and resumed to 6 == uninterrupted; stock differs;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
@@ -313,3 +315,72 @@ def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path]) ->
     assert STREAMS_WARNING not in _outputs(runs)["plugin_ckpt"]
     result = compare(runs["stock"], runs["plugin_ckpt"])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by torchtitan_cpu.tiny_flux),
+# offline: a local byte-level tokenizer for T5 and CLIP, randomly initialised tiny encoders, a WebDataset tar.
+# Its randomness is torchtitan's: the noise and timesteps of every step, the random crop and the caption
+# dropout drawn while the main process iterates the dataset (no loader workers), and the validator's sampling.
+FLUX_STEPS, FLUX_STOP = 6, 3
+
+
+def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_flux",
+            "--hf_assets_path", str(assets["tokenizer"]), "--tokenizer.t5_tokenizer_path", str(assets["tokenizer"]),
+            "--tokenizer.clip_tokenizer_path", str(assets["tokenizer"]),
+            "--encoder.t5_encoder", str(assets["t5"]), "--encoder.clip_encoder", str(assets["clip"]),
+            "--dataloader.dataset", "cc12m-test", "--dataloader.dataset_path", str(assets["images"]),
+            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor", "--debug.seed", "7",
+            "--checkpoint.enable", "--checkpoint.interval", str(FLUX_STOP), "--metrics.log_freq", "1",
+            "--training.steps", str(steps), *extra]
+
+
+def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> str:
+    proc = subprocess.run(_flux_command(assets, dump, steps, *extra), cwd=REPO, capture_output=True, text=True,
+                          env=_env(assets["tokenizer"].parent), timeout=400)
+    (dump.parent / f"{dump.name}-{steps}.out").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
+    if not any(arg.startswith(PLUGIN) for arg in extra):
+        _stock_loss_log(dump)
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def flux_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The plug-in's Flux run uninterrupted and stopped at 3 then resumed to 6, both validating at steps 1, 3
+    and 6 (the validator samples images from random noise); stock stopped and resumed the same way, without
+    validation (stock validation moves the training streams: it would differ from step 4 anyway)."""
+    from tests.support.integrations import torchtitan_cpu
+
+    root = tmp_path_factory.mktemp("flux")
+    assets = torchtitan_cpu.write_flux_assets(root / "assets")
+    dumps = {name: root / name for name in ("full", "stopped", "stock")}
+    plugin = ("--override.imports", PLUGIN, "--validator.enable", "--validator.freq", str(FLUX_STOP),
+              "--validator.steps", "1", "--validator.dataloader.dataset_path", str(assets["images"]),
+              "--validator.sampling.denoising_steps", "2")
+    outputs: dict[str, str] = {}
+    together(lambda: outputs.setdefault("full", _flux_train(assets, dumps["full"], FLUX_STEPS, *plugin)),
+             lambda: _flux_train(assets, dumps["stopped"], FLUX_STOP, *plugin))
+    together(lambda: outputs.setdefault("stopped", _flux_train(assets, dumps["stopped"], FLUX_STEPS, *plugin)),
+             lambda: _flux_train(assets, dumps["stock"], FLUX_STOP, "--metrics.enable_tensorboard"))
+    _flux_train(assets, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard")
+    (root / "outputs.json").write_text(json.dumps(outputs))
+    return dumps
+
+
+def test_flux_stopped_and_resumed_is_bitwise_with_validation(flux_runs: dict[str, Path]) -> None:
+    outputs = json.loads((flux_runs["full"].parent / "outputs.json").read_text())
+    # torchtitan validates at step 1 and every validator.freq steps: the uninterrupted run at 1, 3 and 6; the
+    # stopped run at 1 and 3 (its checkpoint at 3 holds the streams from before that validation), then at 6.
+    assert all(f"validate step: {step:2}" in outputs["full"] for step in (1, FLUX_STOP, FLUX_STEPS))
+    assert f"validate step: {FLUX_STEPS:2}" in outputs["stopped"]
+    assert "Training starts at step 4" in outputs["stopped"], outputs["stopped"][-3000:]
+    result = compare(flux_runs["full"], flux_runs["stopped"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_flux_stock_control_differs_from_the_first_resumed_step(flux_runs: dict[str, Path]) -> None:
+    result = compare(flux_runs["full"], flux_runs["stock"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"first differing step {FLUX_STOP + 1}:" in result.stdout, result.stdout

@@ -206,7 +206,9 @@ def attach_loss_log(trainer: Any) -> LossLogWriter | None:
 
     def log_and_record(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
                        extra_metrics: dict[str, Any] | None = None) -> Any:
-        lr = next((value for key, value in (extra_metrics or {}).items() if key.startswith("lr/")), None)
+        # llama3's trainer logs "lr/<optimizer>", Flux's "lr".
+        lr = next((value for key, value in (extra_metrics or {}).items() if key == "lr" or key.startswith("lr/")),
+                  None)
         writer.write({"step": step, "loss": global_avg_loss, "lr": lr, "grad_norm": grad_norm})
         writer.flush()  # host floats already: no device sync; fsynced, so a kill loses no logged step
         return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
