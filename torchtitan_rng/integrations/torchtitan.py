@@ -17,12 +17,19 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * validation under preserved streams (the trainer's validator, wrapped the same way when it is enabled);
 * a stop signal (SIGTERM, SIGUSR1): the ranks agree at a step boundary (one CPU all-reduce, read a step
   later), save a full checkpoint at that step, and the loop ends there: the run exits 0;
+* a loss log (``loss_log.jsonl`` in ``dump_folder``, this project's format): every step torchtitan logs
+  (``metrics.log_freq``), its float32 ``global_avg_loss`` written exactly, by the rank torchtitan reports
+  metrics from (under pipeline parallelism, the last stage's), so ``python -m torchtitan_rng.compare_losses``
+  reads torchtitan runs; written with or without ``--checkpoint.enable``;
 * the run record of this project (``run.json``: every resolved config key and the versions) in every
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
   WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
-* a checkpoint without streams (saved by stock torchtitan, or by another number of processes) resumes with
-  one WARNING line and fresh streams; a checkpoint of the plug-in resumes in stock torchtitan, which does not
-  ask DCP for the extra key.
+* another process count or layout at a resume: the checkpoint's run record holds the layout it was saved
+  with (process count and parallel degrees); rank 0 names both in one WARNING line with the rule each rank's
+  streams follow (:func:`layout_change`): rank r restores the streams saved by rank r where the checkpoint
+  has them, a rank the checkpoint lacks keeps the streams torchtitan seeded at start;
+* a checkpoint without streams (saved by stock torchtitan) resumes with one WARNING line and fresh streams;
+  a checkpoint of the plug-in resumes in stock torchtitan, which does not ask DCP for the extra key.
 
 Data randomness: the stock text loaders draw nothing at random. A dataset of your own that draws in
 ``__getitem__`` should derive its randomness per sample (``torchtitan_rng.data.sample_rng``) or, with
@@ -45,6 +52,7 @@ from typing import Any, Iterator, Literal
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
+from torchtitan.components.metrics import _get_metrics_rank
 from torchtitan.config.override import derive, override
 from torchtitan.tools.logging import logger
 
@@ -54,6 +62,7 @@ from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
+from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng import signals as checkpoint_signals
 from torchtitan_rng.rng import preserved_global_rng
 
@@ -101,6 +110,64 @@ def config_values(config: Any) -> dict[str, Any]:
     return values
 
 
+# The parallel degrees of torchtitan's ParallelDims, in the order the layout is written.
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+
+
+def layout_of(parallel_dims: Any) -> dict[str, int]:
+    """The resolved layout of a run: its process count and parallel degrees."""
+    return {"world_size": parallel_dims.world_size, **{name: getattr(parallel_dims, name) for name in _DEGREES}}
+
+
+def _processes(count: int) -> str:
+    return f"{count} process{'es' if count != 1 else ''}"
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def describe_layout(world_size: int, layout: dict[str, int] | None) -> str:
+    """``2 processes (dp_shard 2)``; the degrees that are not 1, or why there are none to name."""
+    if layout is None:
+        return f"{_processes(world_size)} (layout not recorded)"
+    degrees = " x ".join(f"{name} {layout[name]}" for name in _DEGREES if layout.get(name, 1) != 1)
+    return f"{_processes(world_size)} ({degrees or 'no parallelism'})"
+
+
+def layout_change(saved_world: int, saved_layout: dict[str, int] | None, world: int,
+                  layout: dict[str, int]) -> str | None:
+    """The WARNING line for a resume on another process count or layout, None when both are the same.
+    ``saved_world`` counts the ranks whose streams the checkpoint holds; ``saved_layout`` comes from its run
+    record (None for a checkpoint saved before the layout was recorded: then only the counts are compared).
+
+    The rule: rank r restores the streams rank r saved, where the checkpoint has them (a stream continues
+    rather than replaying the draws of step 1); a rank the checkpoint lacks keeps the streams torchtitan seeded
+    at start (from ``debug.seed``), as in a fresh run. Never one rank's streams onto another rank."""
+    def degrees(of: dict[str, int] | None) -> dict[str, int] | None:
+        return None if of is None else {name: of.get(name, 1) for name in _DEGREES}
+
+    if saved_world == world and (saved_layout is None or degrees(saved_layout) == degrees(layout)):
+        return None
+    if world <= saved_world:
+        rule = f"{_ranks(0, world - 1)} restore{'s' if world == 1 else ''} the streams saved by the rank of the " \
+               "same number"
+        if world < saved_world:
+            rule += f"; the streams saved by {_ranks(world, saved_world - 1)} are not used"
+    else:
+        new = world - saved_world
+        rule = (f"{_ranks(0, saved_world - 1)} restore{'s' if saved_world == 1 else ''} the streams saved by the "
+                f"rank of the same number; {_ranks(saved_world, world - 1)}, new, keep{'s' if new == 1 else ''} "
+                "the streams torchtitan seeded at start, as in a fresh run")
+    return (f"torchtitan_rng: the checkpoint was saved by {describe_layout(saved_world, saved_layout)} and this run "
+            f"has {describe_layout(world, layout)}: {rule}; this resume is not exact")
+
+
+def saved_stream_ranks(keys: Any) -> int:
+    """How many ranks' streams a checkpoint holds (DCP keys ``torchtitan_rng.rank_{r}``)."""
+    return sum(1 for key in keys if re.fullmatch(rf"{re.escape(STREAMS_PART)}\.rank_\d+", key))
+
+
 def _horizon_matters(values: dict[str, Any]) -> bool:
     """Whether the learning-rate schedule depends on ``training.steps`` (a decay spread over the run)."""
     return values.get("lr_scheduler.decay_ratio") != 0
@@ -120,6 +187,34 @@ def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                      "and the learning-rate decay is spread over training.steps (stop by signal, or set "
                      "--lr_scheduler.decay_ratio 0, to stop early exactly)")
     return lines
+
+
+def attach_loss_log(trainer: Any) -> LossLogWriter | None:
+    """Record each step torchtitan logs into ``{dump_folder}/loss_log.jsonl``, on the rank torchtitan logs
+    metrics from (the one that holds the loss: under pipeline parallelism the other stages log -1.0); None
+    on every other rank. The trainer's ``metrics_processor.log`` receives the step's float32
+    ``global_avg_loss`` (as a Python float, the same value TensorBoard stores); the instance's method is
+    replaced, not the object wrapped, because the trainer assigns the processor's attributes."""
+    rank = rank_and_world_size()[0]
+    writer_rank = _get_metrics_rank(parallel_dims=trainer.parallel_dims,
+                                    pp_schedule=trainer.config.parallelism.pipeline_parallel_schedule)
+    if rank != writer_rank:
+        return None
+    writer = LossLogWriter(loss_log_path(trainer.config.dump_folder))
+    processor = trainer.metrics_processor
+    log = processor.log
+
+    def log_and_record(step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+                       extra_metrics: dict[str, Any] | None = None) -> Any:
+        # llama3's trainer logs "lr/<optimizer>", Flux's "lr".
+        lr = next((value for key, value in (extra_metrics or {}).items() if key == "lr" or key.startswith("lr/")),
+                  None)
+        writer.write({"step": step, "loss": global_avg_loss, "lr": lr, "grad_norm": grad_norm})
+        writer.flush()  # host floats already: no device sync; fsynced, so a kill loses no logged step
+        return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    processor.log = log_and_record
+    return writer
 
 
 class _RestoreAfterIter:
@@ -174,6 +269,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
             checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
+        self.loss_log = attach_loss_log(kwargs["states"][TRAIN_STATE])
         super().__init__(config, **kwargs)
         if not self.enable:
             if rank_and_world_size()[0] == 0:
@@ -221,29 +318,30 @@ class ExactResumeCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                  from_quantized: bool) -> None:
         if STREAMS_PART in state_dict and not from_hf:
-            self._check_drift(Path(checkpoint_id))
-            mine = f"{STREAMS_PART}.{rank_key(self.streams.rank)}"
+            record = read_record(Path(checkpoint_id)) if self.streams.rank == 0 else None
             keys = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-            if mine not in keys:  # DCP raises on a key the checkpoint lacks: load without it
+            saved = saved_stream_ranks(keys)
+            if self.streams.rank == 0:  # before the load: torchtitan's dataloader may refuse another dp degree
+                self._check_drift(record)
+                saved_layout = (record or {}).get("layout")
+                saved_layout = saved_layout if isinstance(saved_layout, dict) else None  # older: not recorded
+                line = (layout_change(saved, saved_layout, self.streams.world_size,
+                                      layout_of(self.trainer.parallel_dims)) if saved else
+                        f"torchtitan_rng: checkpoint {checkpoint_id} holds no random streams (saved without "
+                        "torchtitan_rng): resuming with fresh random streams, so this resume is not exact")
+                if line is not None:
+                    logger.warning(line)
+            if f"{STREAMS_PART}.{rank_key(self.streams.rank)}" not in keys:
+                # DCP raises on a key the checkpoint lacks: this rank loads without streams (named above).
                 state_dict = {name: part for name, part in state_dict.items() if name != STREAMS_PART}
-                if self.streams.rank == 0:
-                    logger.warning(self._no_streams_reason(checkpoint_id, keys))
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
-    def _check_drift(self, checkpoint: Path) -> None:
-        """Name every changed key that can change the losses (rank 0; a checkpoint without a record has none)."""
-        saved = read_record(checkpoint)
-        if saved is None or self.streams.rank != 0:
+    def _check_drift(self, saved: dict[str, Any] | None) -> None:
+        """Name every changed key that can change the losses (a checkpoint without a record has none)."""
+        if saved is None:
             return
         for line in config_drift(saved["config"], config_values(self.trainer.config)):
             logger.warning(f"torchtitan_rng: {line}: this resume is no longer the run that was stopped")
-
-    def _no_streams_reason(self, checkpoint_id: str, keys: Any) -> str:
-        saved = sum(1 for key in keys if key.startswith(f"{STREAMS_PART}.rank_"))
-        why = (f"was saved by {saved} process(es) and this run has {self.streams.world_size}" if saved else
-               "holds no random streams (saved without torchtitan_rng)")
-        return (f"torchtitan_rng: checkpoint {checkpoint_id} {why}: resuming with fresh random "
-                "streams, so this resume is not exact")
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         return curr_step == self._stop_step or super()._should_save(curr_step, last_step)
@@ -270,12 +368,17 @@ class ExactResumeCheckpointManager(CheckpointManager):
             return
         folder = Path(self._create_checkpoint_id(step))
         folder.mkdir(parents=True, exist_ok=True)
-        write_record(folder, make_record(config_values(self.trainer.config), None))
+        record = make_record(config_values(self.trainer.config), None)
+        record["layout"] = layout_of(self.trainer.parallel_dims)  # named at a resume on another layout
+        write_record(folder, record)
 
     def _close(self) -> None:
         if getattr(self, "vote", None) is not None:
             self.vote.close()  # every rank has one vote in flight; finish it before the group goes
             self.vote = None
+        if getattr(self, "loss_log", None) is not None:
+            self.loss_log.close()
+            self.loss_log = None
         super()._close()
 
 

@@ -6,6 +6,8 @@ why it is needed. The tests also pass ``--parallelism.spmd_backend partial_dtens
 ``spmd_types`` backend, FSDP wrapping fails here ("all parameters must be DTensors on the full SPMD mesh";
 not investigated further). ``apply()`` must run before anything imports torchtitan (``torchtitan_run.py``).
 
+``tiny_flux`` (with ``write_flux_assets``) is torchtitan's own Flux trainer on a shrunk flux_debugmodel, offline.
+
 The config registry function ``tiny_llama`` is what the runs pass as ``--module torchtitan_cpu --config
 tiny_llama``: torchtitan's llama3 debug config with a 2-layer model of width 64 and an attention that
 drops out (p = ``TORCHTITAN_TEST_DROPOUT``, default 0.1), so that resuming needs the random streams.
@@ -205,4 +207,97 @@ def tiny_llama() -> Any:
     config.training.seq_len = 64
     config.training.local_batch_size = 2
     config.validator.enable = False
+    return config
+
+
+# Tiny Flux: text encoders of width 32 (context_in_dim / vec_in_dim), 32x32 images (a 4x4 latent).
+FLUX_TEXT_DIM, FLUX_IMAGE = 32, 32
+
+
+def write_flux_assets(folder: Path, samples: int = 48) -> dict[str, Path]:
+    """Everything torchtitan's Flux trainer reads, with no download: the byte-level tokenizer (both T5's and
+    CLIP's), tiny T5 and CLIP ``config.json`` folders for ``--encoder.random_init`` (a path with "clip" in it is
+    taken as CLIP, so only the CLIP folder's name has it), and a WebDataset tar of ``samples`` random images
+    with captions, larger than the crop and not square, so that the random crop draws."""
+    import io
+    import random
+    import tarfile
+
+    from PIL import Image
+    from transformers import CLIPTextConfig, T5Config
+
+    tokenizer, _ = write_assets(folder)
+    t5, clip = folder / "t5_encoder", folder / "clip_encoder"
+    T5Config(vocab_size=VOCAB, d_model=FLUX_TEXT_DIM, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+             decoder_start_token_id=0).save_pretrained(t5)
+    CLIPTextConfig(vocab_size=VOCAB, hidden_size=FLUX_TEXT_DIM, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, max_position_embeddings=77, bos_token_id=VOCAB - 2, eos_token_id=VOCAB - 1,
+                   pad_token_id=0).save_pretrained(clip)
+    data = folder / "images"
+    data.mkdir(parents=True, exist_ok=True)
+    draw = random.Random(0)  # the files only: fixed once written
+    words = "a red cat on a blue mat under the green tree by the old stone wall".split()
+    with tarfile.open(data / "shard-000000.tar", "w") as tar:
+        for i in range(samples):
+            width, height = (FLUX_IMAGE + 8, FLUX_IMAGE) if i % 2 else (FLUX_IMAGE, FLUX_IMAGE + 8)
+            pixels = bytes(draw.randrange(256) for _ in range(width * height * 3))
+            image = Image.frombytes("RGB", (width, height), pixels)
+            jpg = io.BytesIO()
+            image.save(jpg, format="JPEG")
+            caption = " ".join(draw.choice(words) for _ in range(4 + i % 5)).encode()
+            for suffix, payload in (("jpg", jpg.getvalue()), ("txt", caption), ("json", json.dumps({"i": i}).encode())):
+                info = tarfile.TarInfo(f"{i:06d}.{suffix}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return {"tokenizer": tokenizer, "t5": t5, "clip": clip, "images": data}
+
+
+def tiny_flux() -> Any:
+    """torchtitan's flux_debugmodel, shrunk: width 64 with 2 heads, one double and one single block, a small
+    autoencoder, 32x32 images, 16 T5 tokens, batches of 2 (full activation checkpointing, as flux_debugmodel).
+    The noise, timesteps, random crop and caption dropout are torchtitan's own."""
+    from copy import deepcopy
+    from dataclasses import replace
+
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.flux import _make_double_block_config, _make_single_block_config
+    from torchtitan.models.flux.config_registry import flux_debugmodel
+    from torchtitan.models.flux.model.autoencoder import AutoEncoder
+    from torchtitan.models.flux.model.layers import EmbedND, LastLayer, MLPEmbedder
+
+    config = flux_debugmodel()
+    hidden, heads, axes = 64, 2, (8, 12, 12)  # the rope's axes add up to the head width, 32
+    model = config.model_spec.model
+
+    def mlp(in_dim: int) -> MLPEmbedder.Config:
+        layer = model.time_in_config.in_layer
+        return MLPEmbedder.Config(in_dim=in_dim, hidden_dim=hidden,
+                                  in_layer=replace(layer, in_features=in_dim, out_features=hidden),
+                                  out_layer=replace(layer, in_features=hidden, out_features=hidden))
+
+    config.model_spec.model = replace(
+        model, vec_in_dim=FLUX_TEXT_DIM, context_in_dim=FLUX_TEXT_DIM, hidden_size=hidden, num_heads=heads,
+        depth=1, depth_single_blocks=1, axes_dim=axes,
+        img_in=replace(model.img_in, out_features=hidden),
+        txt_in=replace(model.txt_in, in_features=FLUX_TEXT_DIM, out_features=hidden),
+        autoencoder=AutoEncoder.Config(resolution=FLUX_IMAGE, in_channels=3, ch=32, out_ch=3, ch_mult=(1, 1, 1, 1),
+                                       num_res_blocks=1, z_channels=16, scale_factor=0.3611, shift_factor=0.1159),
+        pe_config=EmbedND.Config(dim=hidden // heads, theta=10_000, axes_dim=axes),
+        time_in_config=mlp(256), vector_in_config=mlp(FLUX_TEXT_DIM),
+        double_blocks=[deepcopy(_make_double_block_config(hidden_size=hidden, num_heads=heads, mlp_ratio=2.0,
+                                                          qkv_bias=True))],
+        single_blocks=[deepcopy(_make_single_block_config(hidden_size=hidden, num_heads=heads, mlp_ratio=2.0))],
+        final_layer_config=replace(
+            model.final_layer_config, hidden_size=hidden,
+            linear=replace(model.final_layer_config.linear, in_features=hidden),
+            adaln_linear=replace(model.final_layer_config.adaln_linear, in_features=hidden,
+                                 out_features=2 * hidden)))
+    assert isinstance(config.model_spec.model.final_layer_config, LastLayer.Config)
+    assert isinstance(config.model_spec.model.img_in, Linear.Config)
+    config.tokenizer.max_t5_encoding_len = 16
+    config.tokenizer.test_mode = True
+    config.encoder.random_init = True
+    config.dataloader.img_size = FLUX_IMAGE
+    config.validator.dataloader.img_size = FLUX_IMAGE
+    config.training.local_batch_size = 2
     return config

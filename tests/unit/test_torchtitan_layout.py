@@ -1,0 +1,69 @@
+"""The torchtitan plug-in names a resume on another process count or layout: one line, both layouts, the rule
+each rank's streams follow (the launches: tests/e2e/test_torchtitan_plugin.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+TWO = {"world_size": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+ONE = {"world_size": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
+
+
+def test_fewer_processes_name_the_unused_streams() -> None:
+    from torchtitan_rng.integrations.torchtitan import layout_change
+
+    assert layout_change(2, TWO, 1, ONE) == (
+        "torchtitan_rng: the checkpoint was saved by 2 processes (dp_shard 2) and this run has 1 process (no "
+        "parallelism): rank 0 restores the streams saved by the rank of the same number; the streams saved by "
+        "rank 1 are not used; this resume is not exact")
+
+
+def test_more_processes_name_the_new_ranks_fresh_streams() -> None:
+    from torchtitan_rng.integrations.torchtitan import layout_change
+
+    line = layout_change(1, ONE, 2, TWO)
+    assert line is not None and "saved by 1 process (no parallelism) and this run has 2 processes (dp_shard 2)" in line
+    assert "rank 0 restores the streams saved by the rank of the same number; rank 1, new, keeps the streams " \
+           "torchtitan seeded at start" in line
+    four = dict(TWO, world_size=4, dp_shard=4)
+    assert "ranks 1-3, new, keep the streams" in (layout_change(1, None, 4, four) or "")
+
+
+def test_same_count_other_layout_is_named_same_layout_is_not() -> None:
+    from torchtitan_rng.integrations.torchtitan import layout_change
+
+    tp = dict(TWO, dp_shard=1, tp=2)
+    line = layout_change(2, TWO, 2, tp)
+    assert line is not None
+    assert "2 processes (dp_shard 2) and this run has 2 processes (tp 2): ranks 0-1 restore" in line
+    assert layout_change(2, TWO, 2, dict(TWO)) is None
+    # A checkpoint from before the layout was recorded: only the counts can be compared.
+    assert layout_change(2, None, 2, tp) is None
+    assert "2 processes (layout not recorded)" in (layout_change(2, None, 1, ONE) or "")
+
+
+def test_layout_of_reads_torchtitans_parallel_dims() -> None:
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from torchtitan_rng.integrations.torchtitan import describe_layout, layout_of
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4)
+    assert layout_of(dims) == dict(TWO, world_size=4, tp=2)
+    assert describe_layout(4, layout_of(dims)) == "4 processes (dp_shard 2 x tp 2)"
+
+
+def test_saved_stream_ranks_counts_a_real_checkpoints_rank_keys(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
+    from torchtitan_rng.integrations.torchtitan import saved_stream_ranks
+
+    state = {"torchtitan_rng": {"step": 3, "rank_0": b"a", "rank_1": b"b"}, "train_state": {"step": 3}}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    keys = SafeFileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    assert saved_stream_ranks(keys) == 2
+    assert saved_stream_ranks([key for key in keys if not key.startswith("torchtitan_rng.")]) == 0
