@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, compare, run_env, together
+from tests.support.launch import REPO, compare, launch, run_env, together
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
@@ -79,8 +79,7 @@ def _env(assets: Path) -> dict[str, str]:
 
 
 def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_command(assets, dump, steps, *extra, nproc=nproc), cwd=REPO, capture_output=True, text=True,
-                          env=_env(assets), timeout=400)
+    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets), timeout=400, processes=nproc)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):

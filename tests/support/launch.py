@@ -90,7 +90,7 @@ def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path =
         ended = time.monotonic()
     _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "processes": processes,
              "wait_s": round(started - asked, 3), "run_s": round(ended - started, 3), "warm": warm,
-             "exit": proc.returncode, "module": command[2] if command[1:2] == ["-m"] else Path(command[1]).name})
+             "exit": proc.returncode, "program": Path(next(arg for arg in command[1:] if arg[:1] != "-")).name})
     return proc
 
 

@@ -1,9 +1,10 @@
 """A warm start for the Python processes the tests launch: a server that has imported torch and this package,
 and run no torch op, forks one fresh child per command (never a reused worker: a process that trained once
 keeps dynamo config, thread counts, deterministic-algorithm flags, signal handlers and registries, exactly
-what this project exists to catch). A child is ``python [-u] -m MODULE ARGS`` with the caller's environment,
-directory and output files, and ends as that process would (``sys.exit``, then the interpreter's own
-shutdown); its exit status reaches the caller as ``subprocess.run``'s ``returncode``.
+what this project exists to catch). A child is ``python [-u] -m MODULE ARGS`` or ``python [-u] SCRIPT.py
+ARGS`` with the caller's environment, directory and output files, and ends as that process would
+(``sys.exit``, then the interpreter's own shutdown); its exit status reaches the caller as
+``subprocess.run``'s ``returncode``.
 
 What a fork cannot change was decided when the server started, so the server forks only a command whose
 environment agrees with its own in everything read at start-up (:func:`_startup_differs`: thread counts,
@@ -12,7 +13,7 @@ as new interpreters. ``TORCHTITAN_RNG_ZYGOTE=0`` turns the server off. Each fork
 string-hash seed.
 
 Inside a forked child ``sys.executable`` is the server's relay, a stand-in Python without torch: given
-``[-u] -m MODULE ...`` it has the server fork that command with the relay's environment and output files,
+``[-u] -m MODULE ...`` or ``[-u] SCRIPT.py ...`` it has the server fork that command with the relay's environment and output files,
 passes on every signal it gets and exits as the child did; given anything else it becomes the real
 interpreter (``exec``). So the processes a forked command starts (torchrun's ranks, the runs of
 ``verify_resume`` and ``replay``, ``run_train.sh`` given ``PYTHON=relay``) are warm too. A relay dies with
@@ -124,7 +125,7 @@ def _serve(path: str) -> None:
                     os.close(sock.detach())
                 for fd in (wake_read, wake_write):
                     os.close(fd)
-                _become(request, fds, relay, imported)  # never returns: the child exits as `python -m` would
+                _become(request, fds, relay, imported)  # never returns: the child exits as Python would
             for fd in fds:
                 os.close(fd)
             conn.sendall(f"pid {pid}\n".encode())
@@ -186,8 +187,11 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
     os.environ.clear()
     os.environ.update({**imported, **env})
     os.chdir(request["cwd"])
-    # As `python -m` lays out sys.path: the working directory, then PYTHONPATH, then the installation's.
-    started = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    # As Python lays out sys.path: the working directory (-m) or the script's folder, then PYTHONPATH, then
+    # the installation's.
+    script = request.get("script")
+    first = os.path.dirname(os.path.realpath(script)) if script else os.getcwd()
+    started = [first, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     sys.path[:] = [*started, *(entry for entry in sys.path[1:] if entry not in started)]
     if request["unbuffered"] or env.get("PYTHONUNBUFFERED"):  # as -u: every write reaches the file at once
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
@@ -196,20 +200,28 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
         import faulthandler
         faulthandler.enable()
     sys.executable = relay
-    sys.argv = ["-m", *request["args"]]
-    # `python -m` runs the module as __main__ itself, which lives until the interpreter shuts down.
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    runpy._run_module_as_main(request["module"])  # what `python -m` calls; SystemExit goes on up
+    # Python runs the module or script as __main__ itself, which lives until the interpreter shuts down.
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    if script:
+        sys.argv = [script, *request["args"]]
+        main.__file__ = script
+        code = compile(Path(script).read_bytes(), script, "exec")
+        exec(code, main.__dict__)  # what `python script.py` does; SystemExit goes on up
+    else:
+        sys.argv = ["-m", *request["args"]]
+        runpy._run_module_as_main(request["module"])  # what `python -m` calls
     sys.exit(0)
 
 
-def _parse(argv: list[str]) -> tuple[str, list[str], bool] | None:
-    """``[-u] -m MODULE ARGS`` as (module, args, unbuffered); None for any other command line."""
+def _parse(argv: list[str]) -> dict[str, Any] | None:
+    """``[-u] -m MODULE ARGS`` or ``[-u] SCRIPT.py ARGS`` as a request's command; None for any other."""
     unbuffered = argv[:1] == ["-u"]
     rest = argv[1:] if unbuffered else argv
-    if len(rest) < 2 or rest[0] != "-m":
-        return None
-    return rest[1], rest[2:], unbuffered
+    if len(rest) >= 2 and rest[0] == "-m":
+        return {"module": rest[1], "args": rest[2:], "unbuffered": unbuffered}
+    if rest and rest[0].endswith(".py") and os.path.isfile(rest[0]):
+        return {"script": rest[0], "args": rest[1:], "unbuffered": unbuffered}
+    return None
 
 
 def _ask(path: str, command: dict[str, Any], fds: list[int]) -> tuple[socket.socket, int] | None:
@@ -240,7 +252,7 @@ def _line(conn: socket.socket) -> str:
 # ---- the relay: the forked children's `python` --------------------------------------------------------------
 
 def relay(path: str, python: str) -> None:
-    """Have the server fork ``[-u] -m MODULE ...``, pass on signals, exit as it did; else become ``python``."""
+    """Have the server fork the command, pass on signals, exit as it did; else become ``python``."""
     parsed = _parse(sys.argv[1:])
     if parsed is None:
         os.execv(python, [python, *sys.argv[1:]])
@@ -257,9 +269,7 @@ def relay(path: str, python: str) -> None:
 
     for signum in _RELAYED:
         signal.signal(signum, forward)
-    module, args, unbuffered = parsed
-    asked = _ask(path, {"module": module, "args": args, "unbuffered": unbuffered, "env": dict(os.environ),
-                        "cwd": os.getcwd()}, [0, 1, 2])
+    asked = _ask(path, {**parsed, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
     if asked is None:
         for signum in _RELAYED:
             signal.signal(signum, signal.SIG_DFL)
@@ -310,21 +320,21 @@ def enabled() -> bool:
 
 
 def relay_for(env: dict[str, str]) -> str | None:
-    """The stand-in Python that forks ``python -m`` commands run with ``env`` (None: the server is off)."""
+    """The stand-in Python that forks the commands run with ``env`` (None: the server is off)."""
     return _server(env).relay if enabled() else None
 
 
 def run(command: list[str], *, env: dict[str, str], cwd: str | Path,
         timeout: float | None = None) -> subprocess.CompletedProcess | None:
     """``subprocess.run(command, capture_output=True, text=True, ...)`` forked by the server; None when the
-    command must run as a new interpreter (not ``python -m``, another start-up environment, server off)."""
+    command must run as a new interpreter (neither a module nor a script, another start-up environment, the
+    server off)."""
     parsed = _parse(command[1:]) if command[0] == sys.executable else None
     if parsed is None or not enabled():
         return None
-    module, args, unbuffered = parsed
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-        asked = _ask(_server(env).path, {"module": module, "args": args, "unbuffered": unbuffered, "env": env,
-                                          "cwd": str(cwd)}, [null.fileno(), out.fileno(), err.fileno()])
+        asked = _ask(_server(env).path, {**parsed, "env": env, "cwd": str(cwd)},
+                     [null.fileno(), out.fileno(), err.fileno()])
         if asked is None:
             return None
         conn, pid = asked
