@@ -53,7 +53,9 @@ def main() -> int:
     opts = args.parse_args()
     scratch = opts.keep or Path(tempfile.mkdtemp(prefix="exit_stress-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(opts.hog)]
+    # A hog spins while its parent lives: a bench killed by a signal leaves none behind.
+    hog = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(opts.hog)]
     failed: list[tuple[int, int]] = []
     start = time.monotonic()
     try:
