@@ -32,6 +32,9 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     the custom modules the trainer loads and the scripts started with ``-m``."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Inductor compiles in the run's own process: a pool of compile workers beside two ranks on two cores
+    # only adds processes (it changes no generated code).
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
     env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
@@ -88,7 +91,8 @@ def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path =
         if proc is None:
             proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
         ended = time.monotonic()
-    _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "processes": processes,
+    _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"),
+             "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "processes": processes,
              "wait_s": round(started - asked, 3), "run_s": round(ended - started, 3), "warm": warm,
              "exit": proc.returncode, "program": Path(next(arg for arg in command[1:] if arg[:1] != "-")).name})
     return proc

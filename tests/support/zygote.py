@@ -25,6 +25,7 @@ its parent (torchrun's SIGKILL, a killed launcher), and the server then kills it
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import importlib
 import io
@@ -254,7 +255,7 @@ def _line(conn: socket.socket) -> str:
 def relay(path: str, python: str) -> None:
     """Have the server fork the command, pass on signals, exit as it did; else become ``python``."""
     parsed = _parse(sys.argv[1:])
-    if parsed is None:
+    if parsed is None or _inherited_files():
         os.execv(python, [python, *sys.argv[1:]])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent, as its child would
@@ -284,6 +285,20 @@ def relay(path: str, python: str) -> None:
             signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def _inherited_files() -> bool:
+    """Whether this relay was given open files beyond the standard three (inductor's compile workers get
+    pipes by number): only those three reach a forked child, so such a command runs as a new interpreter."""
+    own = {fd for fd in (0, 1, 2)}
+    return any(int(fd) not in own and not _cloexec(int(fd)) for fd in os.listdir("/proc/self/fd"))
+
+
+def _cloexec(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+    except OSError:  # the listing's own descriptor, closed by now
+        return True
 
 
 # ---- the test process's side --------------------------------------------------------------------------------
