@@ -14,4 +14,4 @@ case " $* " in
   *) set -- -m "not slow" "$@" ;;
 esac
 # Workers share the cores through tests/support/cores.py: a run starts when its processes have a core each.
-exec "$PYTHON" -m pytest -q -n "${TEST_WORKERS:-$(nproc)}" "$@"
+exec "$PYTHON" -m pytest -q -n "${TEST_WORKERS:-$(nproc)}" --dist loadgroup "$@"
