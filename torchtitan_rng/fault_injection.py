@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.utils.data import Dataset, get_worker_info
 
-from torchtitan_rng.fault_points import ENV_VAR, HOLD, HOLD_DIR_ENV, POINTS, Fault, hold, parse  # noqa: F401
+from torchtitan_rng.fault_points import ENV_VAR, HOLD, HOLD_DIR_ENV, POINTS, hold, parse  # noqa: F401 (re-exported)
 
 LOSS_SPIKE_FACTOR = 1000.0
 _parse = parse
