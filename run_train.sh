@@ -4,6 +4,13 @@
 # Several nodes: NNODES=2 NODE_RANK=0|1 RDZV_ENDPOINT=host:29500 ./run_train.sh ... on each node.
 # Relative paths (CONFIG_FILE, --job.dump_folder, ...) mean the directory you run it from.
 set -eu
+# A checkpoint signal before the launcher runs (it blocks them as its first statement): nothing started yet.
+_stopped() {
+  echo "$1: stopped before training started, nothing new to save; run the same command again to resume"
+  exit 0
+}
+trap '_stopped SIGTERM' TERM
+trap '_stopped SIGUSR1' USR1
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/python_env.sh"  # sets REPO; use_python
 
 usage() {

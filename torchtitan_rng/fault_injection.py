@@ -9,9 +9,16 @@ ACTION is a signal name (default SIGKILL), sent by the rank to itself, or ``hold
 ``POINT-STEP-rankRANK`` in the folder ``TORCHTITAN_RNG_FAULT_DIR`` names and waits there until that file is
 deleted, so that a test can act (signal the launcher, kill the job) while the run is exactly at that point.
 
-Points, in the order a run meets them:
+Points, in the order a run meets them (the start-up ones, STEP 0, live in the light fault_points.py; the
+launcher's hold in the launcher, file ``POINT-0-launcher``):
 
+* ``launcher_start``, ``launcher_preflight``, ``launcher_checked``, ``launcher_locked``: the launcher's first
+  statement (before torch is imported), before the preflight, after it, after it took the dump folder's lock
+* ``launcher_ranks_started``  torchrun has started the ranks (their interpreters are starting)
+* ``rank_start``    a rank's first statement, before its signal handlers are installed
+* ``before_process_group``  the rank's handlers are in place, the process group not yet up
 * ``startup``       start-up (STEP: 0): the process group is up; model, data and resume are still to come
+* ``startup_done``  built, resumed, the loader's iterator made: the last moment before the first step
 * ``data_loading``  a dataloader worker is in ``__getitem__`` (STEP: 0): every worker of the rank holds at its
   first sample, each with its own file ``data_loading-0-rankR-workerW``, so no batch is ready until the test
   lets them go (a map-style dataset is wrapped by :func:`held_samples`; with no workers, nothing holds)
@@ -45,10 +52,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -56,34 +59,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.utils.data import Dataset, get_worker_info
 
-ENV_VAR = "TORCHTITAN_RNG_FAULT"
-HOLD_DIR_ENV = "TORCHTITAN_RNG_FAULT_DIR"
-POINTS = ("startup", "data_loading", "compile", "before_step", "validation", "save_writing", "save_written",
-          "save_marking", "save_renamed", "prune", "loss_spike")
-HOLD = 0  # the action "hold" (no signal has number 0)
+from torchtitan_rng.fault_points import ENV_VAR, HOLD, HOLD_DIR_ENV, POINTS, hold, parse  # noqa: F401 (re-exported)
+
 LOSS_SPIKE_FACTOR = 1000.0
-
-
-@dataclass(frozen=True)
-class _Fault:
-    point: str
-    step: int
-    rank: int | None
-    signum: int  # or HOLD
-
-
-def _parse(spec: str) -> dict[tuple[str, int], list[_Fault]]:
-    faults: dict[tuple[str, int], list[_Fault]] = {}
-    for entry in filter(None, (part.strip() for part in spec.split(";"))):
-        fields = entry.split(":")
-        if len(fields) < 2 or fields[0] not in POINTS:
-            raise ValueError(f"{ENV_VAR}: bad entry {entry!r}; expected POINT:STEP[:RANK[:SIGNAL]], POINT in {POINTS}")
-        rank = None if len(fields) < 3 or fields[2] == "*" else int(fields[2])
-        action = fields[3] if len(fields) > 3 else "SIGKILL"
-        signum = HOLD if action == "hold" else int(getattr(signal, action))
-        fault = _Fault(fields[0], int(fields[1]), rank, signum)
-        faults.setdefault((fault.point, fault.step), []).append(fault)
-    return faults
+_parse = parse
 
 
 class FaultInjector:
@@ -124,10 +103,7 @@ class FaultInjector:
             on_compile_start(lambda _: self.at("compile", step()))
 
     def _hold(self, name: str) -> None:
-        held = Path(os.environ[HOLD_DIR_ENV]) / name
-        held.touch()
-        while held.exists():
-            time.sleep(0.01)  # polling the test's answer, not a guessed delay
+        hold(name)
 
     def loss_fn(self, loss_fn: Callable[..., torch.Tensor], step: int) -> Callable[..., torch.Tensor]:
         """``loss_fn`` for ``step`` on this rank: scaled by LOSS_SPIKE_FACTOR where ``loss_spike`` is armed."""

@@ -16,6 +16,11 @@ signal forwarded by torchrun during start-up does not kill a rank.
 Under ``torchtitan_rng.launch.launcher`` (what ``run_train.sh`` starts), torchrun receives the signal, forwards it
 to every rank and reports failure even when they all stopped cleanly; each rank therefore leaves a marker
 in ``$TORCHTITAN_RNG_EXIT_DIR`` when it exits 0, and the launcher exits 0 when every local rank did.
+
+Start-up: the launcher blocks the signals as its first statement (a blocked signal stays pending instead of
+taking its default action, death) and keeps them blocked while it starts the ranks, which inherit the mask
+through exec; :func:`install` unblocks them once their handler is in place, so one sent meanwhile is
+delivered then, to that handler.
 """
 
 from __future__ import annotations
@@ -79,6 +84,23 @@ def install(names: list[str] | tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         signal.signal(signum, _record)
     _handled.clear()
     _handled.update(wanted)
+    unblock(names)  # a rank started by the launcher inherited them blocked: a pending one is recorded now
+
+
+def block(names: list[str] | tuple[str, ...]) -> None:
+    """Hold ``names`` pending in this thread (and in the threads and processes it starts) until unblocked."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal_numbers(names))
+
+
+def unblock(names: list[str] | tuple[str, ...]) -> None:
+    """Deliver ``names`` again, a pending one at once, to the handler each has now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signal_numbers(names))
+
+
+def pending(names: list[str] | tuple[str, ...]) -> str | None:
+    """The first of ``names`` that arrived while blocked and waits, or None."""
+    waiting = signal.sigpending()
+    return next((name for name in names if getattr(signal, name) in waiting), None)
 
 
 class Scope:
@@ -145,16 +167,27 @@ def received() -> str | None:
     return _received[0] if _received else None
 
 
-def mark_clean_exit() -> None:
-    """Tell the launcher (when there is one) that this rank exits 0."""
+STARTUP = "start-up"  # the marker's second word: the rank stopped before its first step
+
+
+def mark_clean_exit(before_training: bool = False) -> None:
+    """Tell the launcher (when there is one) that this rank exits 0; ``before_training``: stopped by a signal
+    before its first step, with nothing to save."""
     exit_dir = os.environ.get(EXIT_DIR_ENV)
     if exit_dir:
         local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        (Path(exit_dir) / f"rank_{os.environ.get('LOCAL_RANK', '0')}.ok").write_text(local_world)
+        text = f"{local_world} {STARTUP}" if before_training else local_world
+        (Path(exit_dir) / f"rank_{os.environ.get('LOCAL_RANK', '0')}.ok").write_text(text)
 
 
 def clean_exits(exit_dir: Path) -> tuple[int, int]:
     """(ranks that exited cleanly, local ranks expected) from the markers in ``exit_dir``."""
     markers = list(exit_dir.glob("rank_*.ok"))
-    expected = max((int(marker.read_text() or 0) for marker in markers), default=0)
+    expected = max((int((marker.read_text().split() or ["0"])[0]) for marker in markers), default=0)
     return len(markers), expected
+
+
+def stopped_before_training(exit_dir: Path) -> bool:
+    """Whether every rank that left a marker stopped before its first step (nothing was saved)."""
+    markers = list(exit_dir.glob("rank_*.ok"))
+    return bool(markers) and all(marker.read_text().split()[1:] == [STARTUP] for marker in markers)

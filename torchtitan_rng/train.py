@@ -16,11 +16,14 @@ from typing import NoReturn
 from torchtitan_rng.config import Signals, parse_args, usage
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng import signals
+from torchtitan_rng.fault_points import hold_at
 from torchtitan_rng.launch import orphans
 
 
 def main(argv: list[str] | None = None) -> int:
     orphans.die_with_launcher()
+    # Under the launcher the checkpoint signals arrive blocked (signals.py): one sent before install() waits.
+    hold_at("rank_start", int(os.environ.get("RANK", "0")))
     args = sys.argv[1:] if argv is None else argv
     if "-h" in args or "--help" in args:
         print(usage("python -m torchtitan_rng.train"))

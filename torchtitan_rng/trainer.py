@@ -14,6 +14,7 @@ stop) a step reads nothing from the device: the loss log queues device tensors a
 from __future__ import annotations
 
 import gc
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -29,6 +30,7 @@ from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.distributed import StopVote, World, all_ranks_agree_any, init_distributed, on_rank_zero, teardown
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.fault_injection import FaultInjector
+from torchtitan_rng.fault_points import hold_at
 from torchtitan_rng.launch import preflight, run_lock
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng.metrics import ProgressReporter
@@ -67,6 +69,8 @@ class Trainer:
 
     def _build(self) -> None:
         config = self.config
+        self.stopped_before_training = False  # a signal during start-up: nothing was trained or saved
+        hold_at("before_process_group", int(os.environ.get("RANK", "0")))
         self.world = world = init_distributed(config)
         self._closing.callback(lambda: teardown(clean=not self._failed))
         self._closing.callback(self._release)  # just before the teardown
@@ -140,9 +144,12 @@ class Trainer:
             return
 
         data_iter = iter(self.parts.dataloader)
+        if self.faults is not None:
+            self.faults.at("startup_done", 0)
         # A signal during start-up (build, resume, the workers' start): nothing new to save, a clean exit.
         if all_ranks_agree_any(signals.received() is not None, world.device):
             self._failed = False
+            self.stopped_before_training = True
             self._log(f"stopped by {signals.received() or 'a signal to another rank'} during start-up, before step "
                       f"{train_state.step + 1}: nothing new to save; {preflight.how_to_resume(config)}")
             return
@@ -261,5 +268,5 @@ def run(config: JobConfig) -> int:
             trainer.close()
     except TorchtitanRngError as err:
         return report(err, as_flags)
-    signals.mark_clean_exit()
+    signals.mark_clean_exit(before_training=trainer.stopped_before_training)
     return 0

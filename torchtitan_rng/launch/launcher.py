@@ -2,39 +2,41 @@
 
     python -m torchtitan_rng.launch.launcher [torchrun options] train.py --job.config_file F [overrides]
 
-It runs torchrun in this process (this process *is* the torchrun parent) with three additions:
+It runs torchrun in this process (this process *is* the torchrun parent) with four additions:
 
 * Bad input (config, the checkpoint to resume from, a process count that does not fit it or the node's
   accelerators) fails here, in one line with exit 2, before any rank is started.
 * On one node it takes the dump folder's lock (run_lock.py) for the whole run and hands its token to the
   ranks; with several nodes rank 0 takes it instead.
+* A checkpoint signal (``signals.checkpoint_on``) at any moment of start-up stops the run with nothing to
+  save and exit 0. Its first statement, before torch is imported, blocks the signals: one that comes during
+  the imports, the preflight or the lock waits, and the run stops there, starting no rank. They stay
+  blocked while torchrun starts the ranks, which inherit the mask; each rank unblocks them once its handlers
+  are in place (signals.py) and stops before its first step. With several nodes, a signal during torchrun's
+  rendezvous waits until the ranks start.
 * torchrun forwards a signal it handles to every rank, waits for them, then reports failure even when all
   of them checkpointed and exited 0. The signals of ``signals.checkpoint_on`` are added to the ones
   torchrun forwards, and when such a signal ends the run, the launcher exits 0 if every local rank left
   its clean-exit marker (signals.py), else 128 + the signal number. Ranks get ``--shutdown-timeout``
   (default 30 s, or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to save before torchrun kills them.
+
+Only light modules are imported at the top: ``main`` blocks the signals before the rest (torch) is imported.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 import signal
 import sys
-import tempfile
-from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-from torchtitan_rng import device
 from torchtitan_rng import signals
-from torchtitan_rng.launch import orphans, preflight, run_lock
-from torchtitan_rng.checkpoint import integrity
-from torchtitan_rng.config import as_flags, parse_args
-from torchtitan_rng.errors import EXIT_CODE, ConfigError, TorchtitanRngError, report
+from torchtitan_rng.errors import EXIT_CODE
+from torchtitan_rng.fault_points import hold_at
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from torchtitan_rng.config import JobConfig
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -58,26 +60,97 @@ def _failed(failures: dict[int, ProcessFailure]) -> int:
     return code if code > 0 else 1
 
 
+def _starting_ranks_blocked(names: list[str], started: list[int]) -> None:
+    """Make torchrun start its ranks with ``names`` blocked (they inherit the mask through exec and unblock
+    them once their handlers are in place), then unblock them here: a signal that waited is delivered now,
+    to torchrun's handler, which forwards it to the ranks. ``started`` gets each start's rank count."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    start_workers: Callable[..., Any] = LocalElasticAgent._start_workers
+
+    def blocked_start(agent: LocalElasticAgent, worker_group: Any) -> Any:
+        signals.block(names)  # again for a restart (--max-restarts): this thread unblocked them after the first
+        try:
+            pids = start_workers(agent, worker_group)
+            started.append(len(pids))
+            hold_at("launcher_ranks_started")
+        finally:
+            signals.unblock(names)
+        return pids
+
+    # torchrun builds its agent inside run(); its start is the one moment both the ranks and the handler exist.
+    LocalElasticAgent._start_workers = blocked_start  # type: ignore[method-assign]
+
+
+def _stopped_before_training(name: str, config: JobConfig) -> int:
+    from torchtitan_rng.launch import preflight
+
+    print(f"{name}: stopped before training started, nothing new to save; {preflight.how_to_resume(config)}",
+          flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    # First: until torchrun's handlers and the ranks' own are in place, a checkpoint signal waits instead of
+    # killing this process (its default action: exit 138 or 143, an empty log).
+    signals.block(signals.DEFAULT_SIGNALS)
+    hold_at("launcher_start")
+    return _launch(sys.argv[1:] if argv is None else argv)
+
+
+def _launch(argv: list[str]) -> int:
+    import logging
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from torchtitan_rng import device
+    from torchtitan_rng.checkpoint import integrity
+    from torchtitan_rng.config import as_flags, parse_args
+    from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
+    from torchtitan_rng.launch import orphans, preflight, run_lock
+
+    args = torchrun.parse_args(argv)
     single_node = args.nnodes == "1"
+    lock = None
     try:
         config = parse_args(args.training_script_args)
+        checkpoint_on = list(config.signals.checkpoint_on)
+        signals.block(checkpoint_on)  # the config's own too (bad names: one line here)
+        # A default one the config does not list gets its default action back (a pending one, now).
+        signals.unblock([name for name in signals.DEFAULT_SIGNALS if name not in checkpoint_on])
         if str(args.nproc_per_node).isdigit():
             problem = device.too_many_processes(int(args.nproc_per_node))
             if problem is not None:
                 raise ConfigError(problem)
+        hold_at("launcher_preflight")
         resumed = preflight.check(config, _world_size(args.nnodes, str(args.nproc_per_node)))
+        hold_at("launcher_checked")
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
+        hold_at("launcher_locked")
     except TorchtitanRngError as err:
+        if lock is not None:
+            lock.release()
         return report(err, as_flags)
+    waiting = signals.pending(checkpoint_on)
+    if waiting is not None:  # it came during the imports, the preflight or the lock: no rank to start
+        if lock is not None:
+            lock.release()
+        return _stopped_before_training(waiting, config)
     # torchrun's own lines on a rank's exit ("failed (exitcode: 2)", "closing signal SIGTERM"): the ranks'
     # messages and this launcher's one line say it.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     forwarded = [name.strip() for name in args.signals_to_handle.split(",") if name.strip()]
-    args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *config.signals.checkpoint_on]))
+    args.signals_to_handle = ",".join(dict.fromkeys([*forwarded, *checkpoint_on]))
+    started: list[int] = []
+    _starting_ranks_blocked(checkpoint_on, started)
     exit_dir = Path(tempfile.mkdtemp(prefix="torchtitan_rng_exits_"))
     os.environ[signals.EXIT_DIR_ENV] = str(exit_dir)
     os.environ[orphans.LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks die with this process
@@ -91,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as err:
         for name in args.signals_to_handle.split(","):  # the ranks are gone; a late signal changes nothing
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if not started:  # it came before torchrun started any rank
+            return _stopped_before_training(err.sigval.name, config)
         clean, expected = signals.clean_exits(exit_dir)
         if expected and clean == expected:
+            if signals.stopped_before_training(exit_dir):
+                return _stopped_before_training(err.sigval.name, config)
             print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
                   f"{preflight.how_to_resume(config)}", flush=True)
             return 0
