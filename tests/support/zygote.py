@@ -181,6 +181,9 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
     # A process group of its own: a run that signals its group (os.killpg) reaches neither the server, nor
     # the test process, nor the other runs. Tests about process groups start their processes themselves.
     os.setpgid(0, 0)
+    # The caller's blocked signals, as a new process inherits them (the launcher starts its ranks with the
+    # checkpoint signals blocked until their handlers are in place).
+    signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", []))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -268,15 +271,19 @@ def relay(path: str, python: str) -> None:
         else:
             pending.append(signum)
 
+    blocked = [int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
     for signum in _RELAYED:
         signal.signal(signum, forward)
-    asked = _ask(path, {**parsed, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+    asked = _ask(path, {**parsed, "blocked": blocked, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
     if asked is None:
         for signum in _RELAYED:
             signal.signal(signum, signal.SIG_DFL)
         os.execv(python, [python, *sys.argv[1:]])
     conn, pid = asked
     child.append(pid)
+    # The child has the blocked signals now (it holds one sent to it until it unblocks them): the relay itself
+    # takes every signal, to pass it on.
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for signum in pending:
         os.kill(pid, signum)
     code = int(_line(conn).split()[1])
