@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.checks import assert_every_line_matches
+from tests.support.checks import assert_clean_exit, assert_every_line_matches
 from tests.support.held import Held, start_held
 from tests.support.launch import EVERY_STEP, REPO, together, train
 from torchtitan_rng.checkpoint.integrity import verify_integrity
@@ -119,32 +119,27 @@ def moments(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return results
 
 
-def _clean(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stdout + proc.stderr
-
-
 def test_signal_during_startup_exits_0_with_nothing_to_save(moments: dict) -> None:
-    _clean(moments["startup"])
+    assert_clean_exit(moments["startup"])
     assert "stopped by SIGTERM during start-up, before step 1: nothing new to save" in moments["startup"].stdout
     assert moments["after_startup"] == ([], {})
 
 
 def test_signal_during_data_loading_saves_the_step_waiting_for_it(moments: dict) -> None:
-    _clean(moments["data_loading"])
+    assert_clean_exit(moments["data_loading"])
     assert "stopped by SIGTERM at step 1" in moments["data_loading"].stdout
     assert moments["after_data_loading"] == [1]
 
 
 def test_signal_during_the_first_compile_saves_that_step(moments: dict) -> None:
-    _clean(moments["compile"])
+    assert_clean_exit(moments["compile"])
     assert "stopped by SIGTERM at step 1" in moments["compile"].stdout
     assert moments["after_compile"] == [1]
 
 
 def test_first_ctrl_c_during_validation_saves_that_step(moments: dict) -> None:
     proc = moments["validation"]
-    _clean(proc)
+    assert_clean_exit(proc)
     assert proc.stderr.strip() == NOTICE + " without saving"
     assert "stopped by SIGINT at step 3" in proc.stdout
     assert moments["after_validation"] == [1, 2, 3]
@@ -162,21 +157,21 @@ def test_second_ctrl_c_aborts_and_blocks_nothing(moments: dict) -> None:
 
 def test_signal_during_a_sync_save_stops_at_the_next_step(moments: dict) -> None:
     proc = moments["sync"]
-    _clean(proc)
+    assert_clean_exit(proc)
     assert "stopped by SIGTERM at step 5" in proc.stdout
     assert moments["after_sync"] == [1, 2, 3, 4, 5]
 
 
 def test_signal_during_an_async_save_stops_at_the_next_step(moments: dict) -> None:
     proc = moments["async"]
-    _clean(proc)
+    assert_clean_exit(proc)
     assert "checkpoint step-6: staged in" in proc.stdout and "step-6 saved in" in proc.stdout
     assert "stopped by SIGTERM at step 7" in proc.stdout
     assert moments["after_async"] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_signal_during_the_final_save_finishes_it(moments: dict) -> None:
-    _clean(moments["final"])
+    assert_clean_exit(moments["final"])
     steps = complete_steps(moments["dump"] / "checkpoint")
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
     assert all(verify_integrity(moments["dump"] / "checkpoint" / f"step-{step}") for step in steps)

@@ -24,11 +24,11 @@ import json
 import math
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.support.checks import assert_clean_exit
 from tests.support.held import Held, start_held
 from tests.support.launch import EVERY_STEP, REPO, compare
 from torchtitan_rng.checkpoint.layout import complete_steps
@@ -97,13 +97,8 @@ def stops(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return results
 
 
-def _clean(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stdout + proc.stderr
-
-
 def test_first_stop_saves_a_checkpoint_to_resume_from(stops: dict) -> None:
-    _clean(stops["first"])
+    assert_clean_exit(stops["first"])
     steps, log = stops["after_first"]
     assert steps in ([3], [4]) and sorted(log) == list(range(1, steps[0] + 1)), (steps, sorted(log))
 
@@ -111,7 +106,7 @@ def test_first_stop_saves_a_checkpoint_to_resume_from(stops: dict) -> None:
 @pytest.mark.parametrize("moment", [*LAUNCHER_POINTS, "launcher_ranks_started", *RANK_POINTS])
 def test_signal_during_startup_exits_0_with_nothing_new(stops: dict, moment: str) -> None:
     proc, state = stops[moment]
-    _clean(proc)
+    assert_clean_exit(proc)
     assert STOPPED in proc.stdout.splitlines(), proc.stdout[-3000:]
     assert state == stops["after_first"]  # no checkpoint, no loss-log line: nothing new
     if moment in LAUNCHER_POINTS:  # no rank was started
@@ -122,7 +117,7 @@ def test_signal_during_startup_exits_0_with_nothing_new(stops: dict, moment: str
 
 def test_same_command_again_continues_exactly(stops: dict, llama_uninterrupted_two_processes: Path,
                                                tmp_path: Path) -> None:
-    _clean(stops["finish"])
+    assert_clean_exit(stops["finish"])
     result = compare(llama_uninterrupted_two_processes, stops["dump"])
     assert result.returncode == 0, result.stdout
     # Control: the comparison catches one loss off by its last bit.

@@ -43,6 +43,12 @@ def snapshot(folder: Path) -> dict[str, str]:
     }
 
 
+def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
+    """Exit 0 and no traceback anywhere in the output."""
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 def assert_refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     """Exit 2, exactly one line on stderr starting with ``error:``, holding every fragment; no traceback."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
