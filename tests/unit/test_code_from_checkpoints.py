@@ -136,3 +136,19 @@ def test_samples_imports_no_module_a_checkpoint_names(tmp_path: Path, token_file
     assert samples.main([str(dump), "--step", "3", "--job.custom_module", name]) == 0
     assert mark.exists()
 
+
+def test_samples_refuses_a_damaged_record(tmp_path: Path, token_files: dict[str, Path],
+                                          marking_module: tuple[str, Path],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A run.json edited without its checksums: refused in one line as the trainer does, never answered from
+    (control: the same run undamaged answers)."""
+    name, mark = marking_module
+    dump = _run(tmp_path / "run", token_files["bin"], name)
+    assert samples.main([str(dump), "--step", "3", "--json"]) == 0
+    capsys.readouterr()
+    _damage_record(dump)
+    assert samples.main([str(dump), "--step", "3", "--json"]) == 2
+    captured = capsys.readouterr()
+    err = _one_error_line(captured.err)
+    assert "is damaged: run.json " in err and not captured.out
+    assert not mark.exists()
