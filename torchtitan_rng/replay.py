@@ -9,7 +9,9 @@ and one line: whether the step's loss and gradient norm equal those in RUN's los
 they do, 1 when not). A world-size-invariant run replays at any process count its micro-batches divide, without
 its pipeline stages; an ordinary run only at the count that trained it (another is refused in one line, exit 2:
 only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to
-stderr.
+stderr. Loading never executes code: a ``job.custom_module`` the checkpoint's record names is refused in one line
+unless the user names the same (``--job.custom_module NAME``), and ``run.json`` and ``.metadata`` are checked
+against the checkpoint's checksums before they are read.
 """
 
 from __future__ import annotations

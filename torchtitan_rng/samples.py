@@ -10,7 +10,9 @@ what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-
 function of the seed and the key.
 
 What it cannot answer it refuses in one line (exit 2): a run without a checkpoint (no record of its config), a
-streaming source (no index), checkpoints that disagree on what sets the order.
+streaming source (no index), checkpoints that disagree on what sets the order, a ``run.json`` or ``.metadata``
+that fails its checksums (read only after the check). The module a record names (``job.custom_module``) is
+imported, for the token offsets, only when the user names it too (``--job.custom_module NAME``).
 """
 
 from __future__ import annotations
