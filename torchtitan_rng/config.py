@@ -6,6 +6,8 @@ line naming it; the entry points turn that into exit code 2 without a traceback.
 
 from __future__ import annotations
 
+import bisect
+import collections.abc
 import dataclasses
 import json
 import re
@@ -14,7 +16,7 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from torchtitan_rng.errors import ConfigError
 
@@ -92,7 +94,7 @@ class Training:
     spike_guard: str = _key("", "skip a step whose loss or gradient norm spikes, decided on the device (no host "
                             "read): METRIC,RULE[,window=N][,warmup=N], METRIC loss, grad_norm or loss+grad_norm, "
                             "RULE factor=F (value > F x the rolling mean) or zscore=Z (value > mean + Z x std); the "
-                            "rolling window (default 50) holds the last trained steps' values, and no step is judged "
+                            "rolling window (default 50, at most 10000) holds the last trained steps' values, and no step is judged "
                             "before warmup (default 10) of them; a NaN or infinite value is always a spike. E.g. "
                             "loss,factor=3 (docs/spikes.md)")
 
@@ -473,9 +475,74 @@ def parse_perturb_rng(value: str) -> tuple[str, int, int]:
 _SKIP_ITEM = re.compile(r"^(?P<first>\d+)(?:-(?P<last>\d+))?$")
 
 
-def parse_skip_steps(value: str) -> frozenset[int]:
-    """The steps of training.skip_steps = "6,9,40-43" (empty: none); a ConfigError in one line when malformed."""
-    steps: set[int] = set()
+class StepSet(collections.abc.Set):
+    """A set of steps kept as sorted, disjoint, non-adjacent ranges, so that ``1-100000000`` costs one pair, not a
+    hundred million ints: membership by bisection, differences and cuts range by range."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int]] = ()) -> None:
+        merged: list[tuple[int, int]] = []
+        for first, last in sorted(r for r in ranges if r[0] <= r[1]):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+            else:
+                merged.append((first, last))
+        self.ranges: tuple[tuple[int, int], ...] = tuple(merged)
+
+    @classmethod
+    def of(cls, steps: Iterable[int]) -> StepSet:
+        return steps if isinstance(steps, StepSet) else cls((step, step) for step in steps)
+
+    def __contains__(self, step: object) -> bool:
+        if not isinstance(step, int):
+            return False
+        i = bisect.bisect_right(self.ranges, (step, float("inf"))) - 1
+        return i >= 0 and self.ranges[i][0] <= step <= self.ranges[i][1]
+
+    def __len__(self) -> int:
+        return sum(last - first + 1 for first, last in self.ranges)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def __iter__(self) -> Iterator[int]:  # lazily: a huge range is never materialised
+        for first, last in self.ranges:
+            yield from range(first, last + 1)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepSet):
+            return self.ranges == other.ranges
+        return collections.abc.Set.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepSet({format_skip_steps(self)!r})"
+
+    def minus(self, other: StepSet) -> StepSet:
+        """The steps of this set that ``other`` does not hold, range by range."""
+        out: list[tuple[int, int]] = []
+        for first, last in self.ranges:
+            for o_first, o_last in other.ranges:
+                if o_last < first or o_first > last:
+                    continue
+                if o_first > first:
+                    out.append((first, o_first - 1))
+                first = max(first, o_last + 1)
+                if first > last:
+                    break
+            if first <= last:
+                out.append((first, last))
+        return StepSet(out)
+
+    def up_to(self, step: int) -> StepSet:
+        """The steps <= ``step``."""
+        return StepSet((first, min(last, step)) for first, last in self.ranges if first <= step)
+
+
+def parse_skip_steps(value: str) -> StepSet:
+    """The steps of training.skip_steps = "6,9,40-43" (empty: none), ranges kept as ranges; a ConfigError in one
+    line when malformed."""
+    ranges: list[tuple[int, int]] = []
     for item in filter(None, (part.strip() for part in value.split(","))):
         match = _SKIP_ITEM.match(item)
         first = int(match.group("first")) if match else 0
@@ -483,23 +550,19 @@ def parse_skip_steps(value: str) -> frozenset[int]:
         if not match or first < 1 or last < first:
             raise ConfigError(f"config training.skip_steps = {value!r} is not valid ({item!r}); use steps and "
                               "ranges FIRST-LAST >= 1 separated by commas, e.g. 6,9,40-43")
-        steps.update(range(first, last + 1))
-    return frozenset(steps)
+        ranges.append((first, last))
+    return StepSet(ranges)
 
 
-def format_skip_steps(steps: frozenset[int] | set[int]) -> str:
+def format_skip_steps(steps: Iterable[int]) -> str:
     """The canonical spelling of a set of steps: sorted, runs as ranges ("6,9,40-43")."""
-    items, ordered = [], sorted(steps)
-    start = 0
-    for i, step in enumerate(ordered):
-        if i + 1 == len(ordered) or ordered[i + 1] != step + 1:
-            first = ordered[start]
-            items.append(str(first) if first == step else f"{first}-{step}")
-            start = i + 1
-    return ",".join(items)
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in StepSet.of(steps).ranges)
 
 
 GUARD_METRICS = ("loss", "grad_norm")
+# The spike guard's largest window: the window is allocated on the device up front and summed at every step, and
+# rolling statistics over more than 10000 trained steps judge a spike against another era of the run.
+MAX_SPIKE_WINDOW = 10_000
 
 
 @dataclass(frozen=True)
@@ -544,6 +607,8 @@ def parse_spike_guard(value: str) -> SpikeRule | None:
         raise bad("a number that does not read as one") from None
     if not threshold > 0 or not 2 <= warmup <= window:
         raise bad("the rule's number must be > 0 and 2 <= warmup <= window")
+    if window > MAX_SPIKE_WINDOW:
+        raise bad(f"window={window} is above the largest window, {MAX_SPIKE_WINDOW} trained steps")
     return SpikeRule(metrics, rules[0], threshold, window, warmup)
 
 

@@ -48,8 +48,9 @@ from torchtitan_rng.rng import seed_training_streams
 
 
 class RestoreOrderError(TorchtitanRngError, RuntimeError):
-    """A step of the resume order was skipped: ``iter(dataloader)`` before ``load()``, or ``restore_rng()``
-    after randomness of the resumed step was consumed; one line says which."""
+    """The resume order ``load()``, ``iter(dataloader)``, ``restore_rng()`` was broken: ``iter(dataloader)``
+    before ``load()``, ``restore_rng()`` before ``load()`` or after randomness of the resumed step was consumed,
+    or ``load()`` again after ``iter(dataloader)`` or ``restore_rng()``; one line says which."""
 
 
 class _PlainIndices(Dataset):
@@ -289,6 +290,10 @@ class ExactResume:
         self.loaded_from: Path | Location | None = None
         self._load_called = False
         self._step_at_load = 0
+        # The order's later calls, so that a load() after them is refused: it would reset the position the
+        # order check reads while the live iterator keeps its own, and the streams already put back.
+        self._iterated = False
+        self._restored = False
         if dataloader is not None:
             dataloader.before_iter = _weakly(self._refuse_iter_before_load)
             if dataloader.snapshot_follows_saves:  # no iterator yet (before_iter refuses one): it takes this
@@ -338,6 +343,7 @@ class ExactResume:
         ``"optimizer"``, or a last part such as ``"lr"``): a WARNING each on stderr, and the optimizer
         hyperparameters you built with replace the saved ones.
         """
+        self._refuse_load_after_start()
         self._load_called = True
         path = resolve_checkpoint(self.manager.folder, load_step, initial_load_path)
         if path is None:
@@ -375,6 +381,12 @@ class ExactResume:
         first step cannot be detected here.
         """
         self._check_nothing_consumed()
+        if not self._load_called:
+            raise RestoreOrderError(
+                "restore_rng() was called before ExactResume.load(): the streams it puts back are the checkpoint's, "
+                "which load() reads; call load(), then iter(dataloader), then restore_rng()"
+            )
+        self._restored = True
         if self.train_state.restore_rng():
             return True
         if self.seed is not None:
@@ -399,6 +411,19 @@ class ExactResume:
             raise RestoreOrderError(
                 "iter(dataloader) was called before ExactResume.load(): the loader would start from the "
                 "beginning instead of the checkpoint's position; call load() first"
+            )
+        self._iterated = True
+
+    def _refuse_load_after_start(self) -> None:
+        """``load()`` once, before the run starts: after ``iter(dataloader)`` the live iterator would keep its
+        position while the checkpoint's is loaded beside it; after ``restore_rng()`` the streams put back would
+        be another checkpoint's (or the fresh run's)."""
+        later = ("iter(dataloader)" if self._iterated else "restore_rng()" if self._restored else "")
+        if later:
+            raise RestoreOrderError(
+                f"ExactResume.load() was called after {later}: the run already started from what was there; "
+                "call load() once, before iter(dataloader) and restore_rng() (to load another checkpoint, build "
+                "a new ExactResume and dataloader)"
             )
 
     def _check_nothing_consumed(self) -> None:

@@ -9,7 +9,9 @@ and one line: whether the step's loss and gradient norm equal those in RUN's los
 they do, 1 when not). A world-size-invariant run replays at any process count its micro-batches divide, without
 its pipeline stages; an ordinary run only at the count that trained it (another is refused in one line, exit 2:
 only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to
-stderr.
+stderr. Loading never executes code: a ``job.custom_module`` the checkpoint's record names is refused in one line
+unless the user names the same (``--job.custom_module NAME``), and ``run.json`` and ``.metadata`` are checked
+against the checkpoint's checksums before they are read.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.checkpoint import run_record
+from torchtitan_rng.checkpoint import integrity, run_record
+from torchtitan_rng.checkpoint.layout import METADATA_NAME
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
 from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags
@@ -36,17 +39,20 @@ from torchtitan_rng.samples import format_keys, run_checkpoints, token_offsets
 from torchtitan_rng.sample_log import SAMPLES_FIELD
 
 
-def _start(run: Path, step: int) -> tuple[Path | None, dict[str, Any]]:
-    """The newest complete checkpoint of ``run`` before ``step`` (None: none), and the config values to replay."""
+def _start(run: Path, step: int, trusted_module: str) -> tuple[Path | None, dict[str, Any]]:
+    """The newest complete checkpoint of ``run`` before ``step`` (None: none), and the config values to replay:
+    its files checked before any value is read, and a ``job.custom_module`` it names refused unless the user
+    named the same (``trusted_module``), as loading never executes code a file names."""
     checkpoints = run_checkpoints(run) if run.is_dir() else []
     if not checkpoints:
         raise ConfigError(f"{run} holds no complete checkpoint, whose run.json records the run's config; give the "
                           "dump folder of a run trained with --checkpoint.enable")
     before = [path for path in checkpoints if int(path.name.split("-")[1]) < step]
     chosen = before[-1] if before else None
-    record = run_record.read_record(chosen or checkpoints[0])
+    record = run_record.read_checked_record(chosen or checkpoints[0])
     if record is None:
         raise ConfigError(f"checkpoint {chosen or checkpoints[0]} holds no run.json: its config is unknown")
+    run_record.refuse_untrusted_module(chosen or checkpoints[0], record["config"], trusted_module)
     return chosen, record["config"]
 
 
@@ -91,7 +97,9 @@ def verdict(step: int, replayed: dict[str, Any], logged: dict[str, Any]) -> tupl
 
 def _refuse_other_counts(run: Path, values: dict[str, Any], processes: int) -> None:
     """``processes`` continue this run's checkpoints exactly, or the replay is refused (its plan says why)."""
-    config, info = from_values(_replayed_values(values)), inspect_checkpoint(run_checkpoints(run)[-1])
+    newest = run_checkpoints(run)[-1]
+    integrity.verify_files(newest, [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
+    config, info = from_values(_replayed_values(values)), inspect_checkpoint(newest)
     plan = plan_class(config)
     try:
         plan.check_checkpoint(info, processes, None)
@@ -122,7 +130,9 @@ def _replay_on(config: JobConfig, processes: int) -> dict[str, Any]:
     return json.loads(report_file.read_text())
 
 
-def replay(run: Path, step: int, processes: int = 1) -> int:
+def replay(run: Path, step: int, processes: int = 1, trusted_module: str = "") -> int:
+    """Replay ``step`` of ``run`` (see the module's docstring); ``trusted_module``: the user's
+    ``--job.custom_module``, the only module the replay may import."""
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
     if processes < 1:
@@ -130,13 +140,13 @@ def replay(run: Path, step: int, processes: int = 1) -> int:
     logged = read_loss_log(run)
     if step not in logged:
         raise ConfigError(f"{run}'s loss log has no step {step}: nothing to compare the replay with")
-    checkpoint, values = _start(run, step)
+    checkpoint, values = _start(run, step, trusted_module)
     _refuse_other_counts(run, values, processes)
     with tempfile.TemporaryDirectory(prefix="replay-") as folder:
         config = _replay_config(values, checkpoint, step, Path(folder))
         seen = _replay_on(config, processes)
         replayed = read_loss_log(Path(folder))[step]
-    offset_of = token_offsets(config)
+    offset_of = token_offsets(config, trusted_module)
     start = f"checkpoint {checkpoint}" if checkpoint is not None else "the start (no checkpoint before it)"
     print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
     for number, (loss, grads, keys) in enumerate(zip(seen["losses"], seen["micro_batch_grads"],
@@ -159,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, required=True, help="the step (from 1)")
     parser.add_argument("--processes", type=int, default=1,
                         help="processes to replay on (default 1); an ordinary run: the count that trained it")
+    parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
+                        help="the module the run was trained with (job.custom_module): a checkpoint's own is "
+                             "never imported unless named here")
     args = parser.parse_args(argv)
     try:
-        return replay(args.run, args.step, args.processes)
+        return replay(args.run, args.step, args.processes, args.custom_module)
     except TorchtitanRngError as err:
         return report(err)
     except ReplayFailed as err:

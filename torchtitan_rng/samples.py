@@ -10,7 +10,9 @@ what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-
 function of the seed and the key.
 
 What it cannot answer it refuses in one line (exit 2): a run without a checkpoint (no record of its config), a
-streaming source (no index), checkpoints that disagree on what sets the order.
+streaming source (no index), checkpoints that disagree on what sets the order, a ``run.json`` or ``.metadata``
+that fails its checksums (read only after the check). The module a record names (``job.custom_module``) is
+imported, for the token offsets, only when the user names it too (``--job.custom_module NAME``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def run_checkpoints(run: Path) -> list[Path]:
 
 
 def _order_of(checkpoint: Path) -> tuple[dict[str, Any], Any, int | None]:
-    record = run_record.read_record(checkpoint)
+    record = run_record.read_checked_record(checkpoint)  # checked before any value is read
     if record is None:
         raise ConfigError(f"checkpoint {checkpoint} holds no {run_record.RECORD_NAME} (saved by an older version): "
                           "the config that orders its samples is unknown")
@@ -85,10 +87,16 @@ def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int, JobCo
     return plan_class(config).step_sample_keys(config, num_samples, world_size, step), num_samples, world_size, config
 
 
-def token_offsets(config: JobConfig) -> Callable[[int], int] | None:
+def token_offsets(config: JobConfig, trusted_module: str = "") -> Callable[[int], int] | None:
     """Where each sample (by key) starts in the tokens of the run's data file; None when the data is no file
-    of tokens, or the file cannot be read here (said on stderr: the keys do not need it)."""
+    of tokens, or the file cannot be read here (said on stderr: the keys do not need it). ``config`` comes from
+    a record: its ``job.custom_module`` is imported only when it is ``trusted_module`` (the user's
+    ``--job.custom_module``); another is named on stderr, not imported."""
     if not config.training.dataset_path or config.data.streaming:
+        return None
+    untrusted = run_record.untrusted_module({run_record.CODE_KEY: config.job.custom_module}, trusted_module)
+    if untrusted:
+        print(f"note: no token offsets: {run_record.trust_hint('this run', untrusted)}", file=sys.stderr)
         return None
     try:
         dataset = get_train_spec(config).build_dataset(config)
@@ -109,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="the run's dump folder (job.dump_folder)")
     parser.add_argument("--step", type=int, required=True, help="the step (from 1)")
     parser.add_argument("--json", action="store_true", help="one JSON object: {\"step\": K, \"samples\": [...]}")
+    parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
+                        help="the module the run was trained with (job.custom_module), imported for the token "
+                             "offsets: a checkpoint's own is never imported unless named here")
     args = parser.parse_args(argv)
     try:
         keys, num_samples, world_size, config = step_samples(args.run, args.step)
     except TorchtitanRngError as err:
         return report(err)
-    offset_of = token_offsets(config)
+    offset_of = token_offsets(config, args.custom_module)
     if args.json:
         offsets = {"token_offsets": [[offset_of(key) for key in batch] for batch in keys]} if offset_of else {}
         print(json.dumps({"step": args.step, "samples": keys, **offsets}))

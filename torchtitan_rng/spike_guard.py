@@ -14,7 +14,7 @@ same on every rank: the loss and the gradient norm it sees are the step's global
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Container
 
 import torch
 
@@ -59,7 +59,7 @@ class SpikeGuard:
         self.filled.copy_(state_dict["filled"])
 
 
-def decisions(written: list[dict[str, Any]], listed: frozenset[int]) -> list[str]:
+def decisions(written: list[dict[str, Any]], listed: Container[int]) -> list[str]:
     """A line for each step the guard skipped among loss-log lines just written (``listed``: training.skip_steps)."""
     return [f"spike guard: step {line['step']} skipped (loss {line['loss']!r}, grad_norm {line['grad_norm']!r})"
             + ("; its samples are in the loss log" if "samples" in line else "")

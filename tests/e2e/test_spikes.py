@@ -29,6 +29,7 @@ from tests.support.checks import float_bits
 from tests.support.launch import REPO, launch, compare, run_env, together, train
 from tests.support.token_data import write_jsonl, write_token_file
 from torchtitan_rng import replay, samples
+from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.config import parse_args
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.models import get_train_spec
@@ -164,6 +165,7 @@ def test_samples_refuses_a_streaming_run(runs: dict[str, Path], tmp_path: Path,
         record = json.loads(record_file.read_text())
         record["config"]["data.streaming"] = True
         record_file.write_text(json.dumps(record))
+        integrity.write_checksums(record_file.parent)  # as a streaming run's save would: not damage
     assert samples.main([str(dump), "--step", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "streaming source" in err and "no index" in err

@@ -83,3 +83,37 @@ def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> 
     # Control: another seed orders them otherwise.
     other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])
     assert plan_class(other).step_sample_keys(other, 10, 2, 8) != loaded
+
+
+def test_a_huge_range_stays_a_range() -> None:
+    """``1-100000000`` is one range: membership, the record's spelling and the resume's check work on it without
+    a set of every step (before: a hundred million ints, a MemoryError after 20 s)."""
+    steps = parse_skip_steps("1-100000000,200000000")
+    assert steps.ranges == ((1, 100000000), (200000000, 200000000)) and len(steps) == 100000001
+    assert 1 in steps and 100000000 in steps and 100000001 not in steps and 200000000 in steps and 0 not in steps
+    assert skips.canonical("200000000,1-100000000") == "1-100000000,200000000"
+    config = parse_args(["--job.config_file", CONFIG, "--training.skip_steps", "1-100000000"])
+    assert 77 in skips.skipped_steps(config)
+    with pytest.raises(ConfigError, match=r"adds step\(s\) 1-2,4-5, which checkpoint .* \(step 5\) has already"):
+        skips.refuse_past_steps(config, _record("--training.skip_steps", "3"), Path("ckpt"), 5)
+    skips.refuse_past_steps(config, _record("--training.skip_steps", "1-100000000"), Path("ckpt"), 5)
+
+
+def test_a_huge_spike_guard_window_is_refused_in_one_line() -> None:
+    """The window is allocated up front (before: 8 TB asked of the allocator, a traceback); the bound is named.
+    Control: the largest window is accepted."""
+    with pytest.raises(ConfigError, match=r"window=1000000000000 is above the largest window, 10000 trained steps"
+                       ) as err:
+        parse_args(["--training.spike_guard", "loss,factor=3,window=1000000000000", "--metrics.log_samples"])
+    assert "\n" not in str(err.value)
+    config = parse_args(["--training.spike_guard", "loss,factor=3,window=10000", "--metrics.log_samples"])
+    assert config.training.spike_guard.endswith("window=10000")
+
+
+def test_huge_inputs_exit_2_before_training(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "torchtitan_rng.train", "--job.config_file", CONFIG,
+                           "--job.dump_folder", str(tmp_path / "run"), "--training.skip_steps", "1-100000000",
+                           "--metrics.log_samples", "--training.spike_guard", "loss,factor=3,window=1000000000000"],
+                          cwd=tmp_path, capture_output=True, text=True, env=run_env(), timeout=120)
+    assert_refused(proc, "window=1000000000000 is above the largest window, 10000 trained steps")
+    assert list(tmp_path.iterdir()) == []

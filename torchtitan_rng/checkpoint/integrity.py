@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Iterable, NoReturn
 
 import numpy as np
 
@@ -136,6 +136,18 @@ def verify_integrity(folder: Location | Path) -> bool:
     """True when every recorded file is there unchanged; False when the checkpoint has no checksums (saved
     by an older version); CheckpointError naming the first file that differs. Reads every byte: call it
     once per resume, on one process."""
+    return verify_files(folder)
+
+
+# What a tool that reads a checkpoint without loading it says to do with a damaged one (no load_step= there).
+TOOL_ADVICE = "restore it from a copy, or move it away and pick another step"
+
+
+def verify_files(folder: Location | Path, names: Iterable[str] | None = None,
+                 advice: str = "pick another with load_step= (or move it away)") -> bool:
+    """:func:`verify_integrity` of the files ``names`` only (None: every recorded file), for a reader that
+    reads just those (``run.json``, ``.metadata``): a named file the checksums do not list is damage too, as a
+    save lists every file it writes. ``advice``: what the refusal says to do."""
     folder = locate(folder)
     record = folder / CHECKSUMS_NAME
     if not record.is_file():
@@ -144,19 +156,23 @@ def verify_integrity(folder: Location | Path) -> bool:
         sums = json.loads(record.read_text())
         expected = {name: (int(entry["bytes"]), str(entry["sum"])) for name, entry in sums.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        _damaged(folder, f"{CHECKSUMS_NAME} is damaged (not the JSON written at save)")
-    for name, (size, digest) in sorted(expected.items()):
+        _damaged(folder, f"{CHECKSUMS_NAME} is damaged (not the JSON written at save)", advice)
+    for name in sorted(expected if names is None else set(names)):
         path = folder / name
+        if name not in expected:
+            if path.is_file():
+                _damaged(folder, f"{name} is not in its {CHECKSUMS_NAME} (added after the save)", advice)
+            continue  # neither written nor recorded: the reader says what is missing
+        size, digest = expected[name]
         if not path.is_file():
-            _damaged(folder, f"{name} is missing")
+            _damaged(folder, f"{name} is missing", advice)
         actual = path.size()
         if actual != size:
-            _damaged(folder, f"{name} has {actual} bytes, {size} were written")
+            _damaged(folder, f"{name} has {actual} bytes, {size} were written", advice)
         if file_sum(path) != digest:
-            _damaged(folder, f"{name} does not match the checksum written at save (its content changed)")
+            _damaged(folder, f"{name} does not match the checksum written at save (its content changed)", advice)
     return True
 
 
-def _damaged(folder: Location, what: str) -> NoReturn:
-    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; pick another with load_step= "
-                          "(or move it away)")
+def _damaged(folder: Location, what: str, advice: str) -> NoReturn:
+    raise CheckpointError(f"checkpoint {folder} is damaged: {what}; {advice}")

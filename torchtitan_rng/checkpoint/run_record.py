@@ -25,8 +25,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
 
+from torchtitan_rng.checkpoint import integrity
+from torchtitan_rng.checkpoint.layout import METADATA_NAME
 from torchtitan_rng.checkpoint.storage import Location, locate
-from torchtitan_rng.errors import TorchtitanRngError
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError
 
 RECORD_NAME = "run.json"
 _FORMAT = 1
@@ -101,6 +103,38 @@ def read_record(checkpoint: Location | Path) -> dict[str, Any] | None:
                                f"than this torchtitan_rng reads ({_FORMAT}); resume it with the version that saved it "
                                f"({(record.get('versions') or {}).get('torchtitan_rng', 'unknown')})")
     return record
+
+
+def read_checked_record(checkpoint: Location | Path) -> dict[str, Any] | None:
+    """:func:`read_record` for a tool that reads a checkpoint without loading it (``samples``, ``replay``): its
+    ``run.json`` and ``.metadata`` checked against ``checksums.json`` first, so a damaged record is refused,
+    never answered from."""
+    integrity.verify_files(checkpoint, [RECORD_NAME, METADATA_NAME], integrity.TOOL_ADVICE)
+    return read_record(checkpoint)
+
+
+CODE_KEY = "job.custom_module"  # the one key whose value is code to import
+
+
+def untrusted_module(values: dict[str, Any], named: str) -> str:
+    """The module a checkpoint's record names that the user did not name (``named``: their
+    ``--job.custom_module``), "" when none: loading never executes code a file names, only what the user
+    names on their command line."""
+    recorded = values.get(CODE_KEY) or ""
+    return recorded if isinstance(recorded, str) and recorded and recorded != named else ""
+
+
+def refuse_untrusted_module(checkpoint: Location | Path, values: dict[str, Any], named: str) -> None:
+    """ConfigError when the record names a module the user did not (see :func:`untrusted_module`)."""
+    module = untrusted_module(values, named)
+    if module:
+        raise ConfigError(trust_hint(f"checkpoint {checkpoint}", module))
+
+
+def trust_hint(trained: str, module: str) -> str:
+    """What to do about a module ``trained`` ("checkpoint X", "this run") names, in one line."""
+    return (f"{trained} was trained with {CODE_KEY} {module!r}, code that is imported only when "
+            f"you name it: pass --{CODE_KEY} {module} if you trust it")
 
 
 def is_quiet(key: str) -> bool:

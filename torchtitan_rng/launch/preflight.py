@@ -7,6 +7,7 @@ Exit 0 when the run can start; 2 with one line naming the problem otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -51,22 +52,53 @@ def check_dump_folder(dump: Path) -> None:
 
 
 def refuse_restart_over_history(config: JobConfig) -> None:
-    """A run without --checkpoint.enable would train from step 1 again and append a second history to the
-    loss log: refused when the dump folder holds a loss log or checkpoints. Nothing is ever deleted; a
-    fresh start goes into another dump folder."""
-    if config.checkpoint.enable:
-        return
+    """A run that would train from step 1 again and append a second history to the dump folder's loss log is
+    refused: one without --checkpoint.enable over a loss log or checkpoints, and one with it that finds no
+    checkpoint to resume while the log holds steps past the first save this run makes (so the log is not its
+    own, redone after a crash before that save). Resuming is advised only where there is a checkpoint. Nothing
+    is ever deleted; a fresh start goes into another dump folder."""
     dump = Path(config.job.dump_folder)
     log = loss_log_path(dump)
+    logged = log.is_file() and log.stat().st_size > 0
+    if config.checkpoint.enable:
+        if logged and not config.checkpoint.initial_load_path:
+            _refuse_new_run_into_log(config, dump)
+        return
     steps = complete_steps(resume.folder_of(config))
-    held = ([log.name] if log.is_file() and log.stat().st_size > 0 else []) + (
-        [f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
+    held = ([log.name] if logged else []) + ([f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
     if held:
+        resume_it = "add --checkpoint.enable to resume it, or " if steps else "it holds no checkpoint to resume: "
         raise ConfigError(
             f"dump folder {dump} already holds a run ({'; '.join(held)}) and checkpoint.enable is off, so this "
-            "run would start again from step 1 over it: add --checkpoint.enable to resume it, or pass another "
-            "--job.dump_folder (or move this one away) to start afresh"
+            f"run would start again from step 1 over it: {resume_it}pass another --job.dump_folder (or move this "
+            "one away) to start afresh"
         )
+
+
+def _refuse_new_run_into_log(config: JobConfig, dump: Path) -> None:
+    """With --checkpoint.enable and nothing to resume, a loss log past step ``checkpoint.interval`` (where this
+    run saves first, and flushes the log before) is another run's: appending to it would mix two runs, which
+    compare_losses (later lines win) could not tell apart from one."""
+    if complete_steps(resume.folder_of(config)):
+        return  # a resume: it appends to its own history
+    last = _last_logged_step(loss_log_path(dump))
+    if last > config.checkpoint.interval:
+        raise ConfigError(
+            f"dump folder {dump} holds a loss log up to step {last} and no checkpoint to resume from, so this run "
+            "would start again from step 1 and append a second run to that log: pass another --job.dump_folder "
+            "(or move this one away) to start afresh"
+        )
+
+
+def _last_logged_step(log: Path) -> int:
+    """The highest step of the log's whole lines (a line cut by a kill, which the writer drops, is skipped)."""
+    last = 0
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            last = max(last, int(json.loads(line)["step"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return last
 
 
 def how_to_resume(config: JobConfig) -> str:
