@@ -1,5 +1,5 @@
-"""A new run never appends to another run's loss log, and resuming is advised only where there is a checkpoint
-(issue 39 item 9): preflight's rule, in process, on real dump folders."""
+"""A new run never appends to another run's loss log, and resuming is advised only where there is a checkpoint:
+preflight's rule, in process, on real dump folders."""
 
 from __future__ import annotations
 

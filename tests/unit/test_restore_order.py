@@ -1,5 +1,5 @@
 """ExactResume's order, load(), iter(dataloader), restore_rng(), in process: every misordering it can see raises
-RestoreOrderError in one line, where before two of them went on silently inexact (issue 39 item 8)."""
+RestoreOrderError in one line, where before two of them went on silently inexact."""
 
 from __future__ import annotations
 
