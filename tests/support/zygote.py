@@ -79,6 +79,7 @@ def _serve(path: str) -> None:
         importlib.import_module(name)
     # What the imports put in the environment (torch: TORCHINDUCTOR_CACHE_DIR), as they would in a new process.
     imported = {key: value for key, value in os.environ.items() if key not in own}
+    sources = _sources()
     relay = _write_relay(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -112,7 +113,9 @@ def _serve(path: str) -> None:
                 print(f"zygote: dropped a request ({err})", file=sys.stderr, flush=True)
                 conn.close()
                 continue
-            if _startup_differs(request["env"], own):
+            if _startup_differs(request["env"], own) or _sources() != sources:
+                # Another start-up environment, or this checkout's code edited since the server imported it
+                # (a fork would run the old modules beside the new ones): a new interpreter.
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(b"cold\n")
@@ -132,6 +135,19 @@ def _serve(path: str) -> None:
             conn.sendall(f"pid {pid}\n".encode())
             waiting[pid] = conn
             _reap(waiting)  # a child may have ended before it was registered
+
+
+def _sources() -> dict[str, float]:
+    """The modification times of this checkout's preloaded modules."""
+    times = {}
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None) or ""
+        if file.startswith(str(REPO)):
+            try:
+                times[file] = os.stat(file).st_mtime
+            except OSError:
+                times[file] = -1.0
+    return times
 
 
 def _write_relay(path: str) -> str:
