@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
 from torchtitan_rng.compare_losses import same_bits
@@ -139,8 +141,14 @@ def replay(run: Path, step: int, processes: int = 1) -> int:
     offset_of = token_offsets(config)
     start = f"checkpoint {checkpoint}" if checkpoint is not None else "the start (no checkpoint before it)"
     print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
-    for number, (loss, grads, keys) in enumerate(zip(seen["losses"], seen["micro_batch_grads"],
-                                                       replayed[SAMPLES_FIELD])):
+    logged_keys = replayed[SAMPLES_FIELD]
+    keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
+               for entry, part, parts in seen["micro_batch_samples"]]
+    # Every sample the step loaded is in a printed micro-batch: a plan whose loss the replay did not see fails here.
+    assert {key for keys in keys_of for key in keys} == {key for keys in logged_keys for key in keys}, (
+        f"the replay saw {len(keys_of)} micro-batches, not all of step {step}'s samples")
+    for number, (loss, grads, keys) in enumerate(zip(seen["losses"], seen["micro_batch_grads"], keys_of,
+                                                       strict=True)):
         print(f"micro-batch {number}: loss {loss!r}  grad_norm {total_norm(grads):.6g}  samples "
               f"{format_keys(keys, offset_of)}")
         print(f"  grad_norm per block: {_blocks(grads)}")

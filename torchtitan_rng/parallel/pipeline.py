@@ -2,8 +2,9 @@
 ``dp`` ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it).
 
 A step is an optimizer step, as in ordinary data parallelism: ``torch.distributed.pipelining`` runs each of the
-rank's loader batches as one schedule of ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches,
-and the trainer checkpoints, stops and logs only between steps. Every rank's global streams go on from step to
+rank's loader batches as one schedule of ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches
+(the last stage computes each one's loss with the step's loss function, as the other plans do), and the trainer
+checkpoints, stops and logs only between steps. Every rank's global streams go on from step to
 step and are saved per rank, so each stage's dropout resumes where it stopped; the ranks of one stage's dp group
 read the same batches as the ranks of the other stages in their dp column (``data_shard``).
 
@@ -16,6 +17,7 @@ The world-size-invariant mode's stages (``invariant/pipeline.py``) build on this
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -31,7 +33,7 @@ from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
 from torchtitan_rng.parallel.plan import to_device
-from torchtitan_rng.train_spec import LossFn, PipelineSplit, TrainSpec
+from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec
 
 _KEY = "parallelism.pipeline_parallel"
 _SPLIT_PREFIX = "layers."
@@ -91,6 +93,33 @@ def stages_of_rank(config: JobConfig, pp_rank: int) -> list[int]:
     return [s for s in range(count) if s % pp == pp_rank]
 
 
+class _LastStageOutput(nn.Module):
+    """The model as the step's loss function sees it on the last stage: the schedule has already run the stages
+    on the micro-batch, so calling it returns their output."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.output
+
+
+class PlanStage(PipelineStage):
+    """A stage that, when last, tells its plan which micro-batch the schedule's next loss call is for: the schedule
+    also calls the loss while it sets the stages up, on uninitialised outputs, and that call is no micro-batch's."""
+
+    def __init__(self, *args: Any, plan: PipelinePlan, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plan = plan
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last:
+            self._plan.loss_due = (output, fwd_chunk_id)
+        return output
+
+
 class PipelinePlan(DataParallelPlan):
     """Stages over the mesh's ``pp`` dimension, FSDP2 over its ``dp_shard`` dimension; the checkpoint rules,
     streams and data positions of ordinary data parallelism."""
@@ -110,6 +139,11 @@ class PipelinePlan(DataParallelPlan):
         self.stage_ids: list[int] = []  # the stages this rank runs
         self._last_losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
+        # What the last stage's loss calls of a schedule run take: the step's loss function, the run's
+        # micro-batches, and (set by the stage's forward) the output and index of the micro-batch due.
+        self._loss_fn: LossFn | None = None
+        self._micro_batches: list[Batch] = []
+        self.loss_due: tuple[Any, int] | None = None
 
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
@@ -174,7 +208,7 @@ class PipelinePlan(DataParallelPlan):
             for module in modules:
                 spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config))
         self.compute_context = wrapping.autocast_context(config, self.world.device, sharded)
-        self.build_schedule(modules, PipelineStage, self.pipeline_micro_batches)
+        self.build_schedule(modules, functools.partial(PlanStage, plan=self), self.pipeline_micro_batches)
         return spec.loss_fn
 
     def split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
@@ -210,10 +244,26 @@ class PipelinePlan(DataParallelPlan):
                               f"schedule run over {count} stages ({err}); give each run more micro-batches") from None
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        assert self.split is not None
-        loss = self.split.loss(output, target)
+        """The schedule's loss: the step's loss function on the micro-batch whose output the last stage gave."""
+        assert self.split is not None and self._loss_fn is not None
+        due, self.loss_due = self.loss_due, None
+        if due is None or due[0] is not output:  # the schedule setting its stages up: only shapes are kept
+            return self.split.loss(output, target) / self._loss_scale
+        loss = self._loss_fn(_LastStageOutput(output), self._micro_batches[due[1]], self.config)
         self._last_losses.append(loss.detach().float())
         return loss / self._loss_scale
+
+    def run_schedule(self, batch: Batch, micro_batches: list[Batch], loss_fn: LossFn) -> list[torch.Tensor]:
+        """One schedule run over ``batch`` (``micro_batches``: its split, as the schedule splits it); the last
+        stage's micro-batch losses (by ``loss_fn``), in micro-batch order (none on other stages)."""
+        assert self.split is not None
+        inputs = (batch[self.split.input_key],) if self._holds_first else ()
+        target = batch[self.split.target_key] if self._holds_last else None
+        self._loss_fn, self._micro_batches, self._last_losses = loss_fn, micro_batches, []
+        with self.compute_context():
+            self.schedule.step(*inputs, target=target, return_outputs=False)
+        assert len(self._last_losses) == (len(micro_batches) if self._holds_last else 0)
+        return self._last_losses
 
     @property
     def _holds_first(self) -> bool:
@@ -228,21 +278,16 @@ class PipelinePlan(DataParallelPlan):
         """Each of the rank's loader batches through the schedule; each micro-batch's loss scaled by 1/(micro-
         batches x accumulation). Returns the mean loss over the last stage's micro-batches and the dp ranks, the
         same on every rank."""
-        assert self.split is not None
         accumulation, device = self.micro_batches_per_rank, self.world.device
         micro_batches = self.pipeline_micro_batches
         self._loss_scale = float(micro_batches * accumulation)
         losses: list[torch.Tensor] = []
         for _ in range(accumulation):
             batch = to_device(next(batches), device)
-            inputs = (batch[self.split.input_key],) if self._holds_first else ()
-            target = batch[self.split.target_key] if self._holds_last else None
-            self._last_losses = []
-            with self.compute_context():
-                self.schedule.step(*inputs, target=target, return_outputs=False)
-            # The micro-batches' losses are the last ones: the schedule's first run also calls the loss on
-            # uninitialised outputs while it sets the stages up.
-            losses += self._last_losses[len(self._last_losses) - micro_batches:]
+            # Split as the schedule splits its inputs and target (torch.tensor_split along the batch).
+            split = {key: value.tensor_split(micro_batches) for key, value in batch.items()}
+            losses += self.run_schedule(batch, [{key: parts[i] for key, parts in split.items()}
+                                                for i in range(micro_batches)], loss_fn)
         total = torch.zeros((), device=device)
         if self._holds_last:
             total = torch.stack(losses).mean()
