@@ -56,7 +56,7 @@ def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
     """The run's config as the replay trains it: the keys the run's mode computes the same bits under whatever
     their value (a world-size-invariant run's pipeline stages) back at their defaults, the replay's processes
     laying the step out their own way."""
-    layout = plan_class(from_values(values)).layout_keys()
+    layout = plan_class(from_values(values).parallelism).layout_keys()
     return {key: value for key, value in values.items() if key not in layout}
 
 
@@ -94,7 +94,7 @@ def verdict(step: int, replayed: dict[str, Any], logged: dict[str, Any]) -> tupl
 def _refuse_other_counts(run: Path, values: dict[str, Any], processes: int) -> None:
     """``processes`` continue this run's checkpoints exactly, or the replay is refused (its plan says why)."""
     config, info = from_values(_replayed_values(values)), inspect_checkpoint(run_checkpoints(run)[-1])
-    plan = plan_class(config)
+    plan = plan_class(config.parallelism)
     try:
         plan.check_checkpoint(info, processes, None)
         plan.check_config(config, processes)

@@ -79,7 +79,7 @@ def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> 
                 for rank in range(2)]
     for step in range(1, 9):
         loaded = [next(sampler) for sampler in samplers for _ in range(2)]
-        assert plan_class(config).step_sample_keys(config, 10, 2, step) == loaded, step
+        assert plan_class(config.parallelism).step_sample_keys(config, 10, 2, step) == loaded, step
     # Control: another seed orders them otherwise.
     other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])
-    assert plan_class(other).step_sample_keys(other, 10, 2, 8) != loaded
+    assert plan_class(other.parallelism).step_sample_keys(other, 10, 2, 8) != loaded

@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         clean, expected = signals.clean_exits(exit_dir)
         if expected and clean == expected:
             print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
-                  f"{preflight.how_to_resume(config)}", flush=True)
+                  f"{preflight.how_to_resume(config.checkpoint)}", flush=True)
             return 0
         print(f"error: stopped by {err.sigval.name} before every rank had checkpointed ({clean} local ranks "
               f"exited cleanly); to resume from the newest complete checkpoint, "
-              f"{preflight.how_to_resume(config).removesuffix(' to resume')}", file=sys.stderr, flush=True)
+              f"{preflight.how_to_resume(config.checkpoint).removesuffix(' to resume')}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return _failed(err.failures)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torchtitan_rng import resume, signals
 from torchtitan_rng.checkpoint.layout import complete_steps
-from torchtitan_rng.config import JobConfig, as_flags, parse_args
+from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.models import get_train_spec
@@ -27,9 +27,9 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     spec = get_train_spec(config)
     signals.signal_numbers(config.signals.checkpoint_on)
     check_dump_folder(Path(config.job.dump_folder))
-    resume.signing_of(config)  # a key named but not set: refused before any save or load
+    resume.signing_of(config.checkpoint)  # a key named but not set: refused before any save or load
     if world_size is not None:
-        plan_class(config).check_config(config, world_size)
+        plan_class(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
     if path is None:
         return None
@@ -69,9 +69,9 @@ def refuse_restart_over_history(config: JobConfig) -> None:
         )
 
 
-def how_to_resume(config: JobConfig) -> str:
+def how_to_resume(checkpoint: Checkpoint) -> str:
     """The resume instruction that is true for this config (the shipped configs leave checkpointing off)."""
-    if config.checkpoint.enable:
+    if checkpoint.enable:
         return "run the same command again to resume"
     return "run the same command again with --checkpoint.enable to resume"
 

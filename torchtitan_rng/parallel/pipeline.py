@@ -29,7 +29,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
-from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
+from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, gradient_accumulation_steps
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
 from torchtitan_rng.parallel.plan import to_device
@@ -44,19 +44,18 @@ def _multi_stage(schedule: str) -> bool:
     return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
 
 
-def stage_count(config: JobConfig) -> int:
+def stage_count(parallelism: Parallelism) -> int:
     """Stages over all ranks: one per split point plus one; without split points, one per rank (two for a
     schedule that runs several stages per rank)."""
-    par = config.parallelism
-    if par.pipeline_parallel_split_points:
-        return len(par.pipeline_parallel_split_points) + 1
-    return par.pipeline_parallel_degree * (2 if _multi_stage(par.pipeline_parallel_schedule) else 1)
+    if parallelism.pipeline_parallel_split_points:
+        return len(parallelism.pipeline_parallel_split_points) + 1
+    return parallelism.pipeline_parallel_degree * (2 if _multi_stage(parallelism.pipeline_parallel_schedule) else 1)
 
 
-def split_starts(config: JobConfig) -> list[int]:
+def split_starts(parallelism: Parallelism) -> list[int]:
     """The first layer of each stage after the first, from ``layers.N`` split points (strictly increasing)."""
     starts = []
-    for point in config.parallelism.pipeline_parallel_split_points:
+    for point in parallelism.pipeline_parallel_split_points:
         number = point[len(_SPLIT_PREFIX):]
         if not (point.startswith(_SPLIT_PREFIX) and number.isdigit()) or int(number) < 1:
             raise ConfigError(f"config {_KEY}_split_points has {point!r}; a split point is layers.N, the first "
@@ -67,10 +66,10 @@ def split_starts(config: JobConfig) -> list[int]:
     return starts
 
 
-def stage_layers(config: JobConfig, n_layers: int) -> list[list[int]]:
+def stage_layers(parallelism: Parallelism, n_layers: int) -> list[list[int]]:
     """The layer indices of every stage: at the split points, or as even as they go (earlier stages one more)."""
-    count = stage_count(config)
-    starts = split_starts(config)
+    count = stage_count(parallelism)
+    starts = split_starts(parallelism)
     if not starts:
         per, extra = divmod(n_layers, count)
         starts = [sum(per + (s < extra) for s in range(stage)) for stage in range(1, count)]
@@ -83,12 +82,11 @@ def stage_layers(config: JobConfig, n_layers: int) -> list[list[int]]:
     return stages
 
 
-def stages_of_rank(config: JobConfig, pp_rank: int) -> list[int]:
+def stages_of_rank(parallelism: Parallelism, pp_rank: int) -> list[int]:
     """Which stages a pipeline rank runs: stage s on rank s mod pp (looped), or for a V schedule (ZBV) s on
     rank s in the first half and 2 pp - 1 - s in the second."""
-    par = config.parallelism
-    pp, count = par.pipeline_parallel_degree, stage_count(config)
-    if par.pipeline_parallel_schedule == "ZBVZeroBubble":
+    pp, count = parallelism.pipeline_parallel_degree, stage_count(parallelism)
+    if parallelism.pipeline_parallel_schedule == "ZBVZeroBubble":
         return [s for s in range(count) if (s if s < pp else 2 * pp - 1 - s) == pp_rank]
     return [s for s in range(count) if s % pp == pp_rank]
 
@@ -159,8 +157,8 @@ class PipelinePlan(DataParallelPlan):
             raise ConfigError(f"config validation.enable: validation runs the whole model, which {_KEY}_degree "
                               f"= {pp} splits over processes; turn validation off")
         gradient_accumulation_steps(config, world_size // pp)
-        split_starts(config)
-        count = stage_count(config)
+        split_starts(config.parallelism)
+        count = stage_count(config.parallelism)
         multi = _multi_stage(par.pipeline_parallel_schedule)
         if count % pp or (count != pp and not multi) or (multi and count < 2 * pp):
             per_rank = "one stage" if not multi else "two or more stages"
@@ -206,8 +204,8 @@ class PipelinePlan(DataParallelPlan):
         sharded = self.dp > 1
         if sharded:
             for module in modules:
-                spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config))
-        self.compute_context = wrapping.autocast_context(config, self.world.device, sharded)
+                spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config.training))
+        self.compute_context = wrapping.autocast_context(config.training, self.world.device, sharded)
         self.build_schedule(modules, functools.partial(PlanStage, plan=self), self.pipeline_micro_batches)
         return spec.loss_fn
 
@@ -217,19 +215,19 @@ class PipelinePlan(DataParallelPlan):
             raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
                               f"pipeline split); use {_KEY}_degree 1")
         self.split = spec.pipeline
-        layers = stage_layers(self.config, len(spec.block_lists(model)[0]))
+        layers = stage_layers(self.config.parallelism, len(spec.block_lists(model)[0]))
         count = len(layers)
-        self.stage_ids = stages_of_rank(self.config, self.pp_rank)
+        self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
-        wrapping.apply_activation_checkpointing(model, spec, self.config)
-        wrapping.apply_compile(model, spec, self.config)
+        wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
+        wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
 
     def build_schedule(self, modules: list[nn.Module], stage_class: Callable[..., PipelineStage],
                        micro_batches: int) -> None:
         """This rank's stages (of ``stage_class``) and the configured schedule of ``micro_batches`` over them."""
-        count = stage_count(self.config)
+        count = stage_count(self.config.parallelism)
         self.stages = [stage_class(module, s, count, self.world.device, group=self.pp_group)
                        for s, module in zip(self.stage_ids, modules)]
         name = self.config.parallelism.pipeline_parallel_schedule

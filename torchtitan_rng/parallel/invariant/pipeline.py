@@ -129,7 +129,7 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
         self._order = [name for name, p in model.named_parameters() if p.requires_grad]  # the whole model's
         modules = self.split_model(model, spec)
-        self.streams = hooked_streams(model, spec, self.config)
+        self.streams = hooked_streams(model, spec, self.config.debug)
         if self.dp > 1:
             # float32 gathers and reductions, as the invariant mode without stages (see plan.py)
             policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -138,7 +138,7 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
             self.exchanges = [exchange for module in modules
                               for exchange in reduction.use_slot_order_exchange(module)]
         self._names = [_plain_name(name) for name, p in model.named_parameters() if p.requires_grad]
-        self.compute_context = wrapping.autocast_context(self.config, self.world.device, sharded=False)
+        self.compute_context = wrapping.autocast_context(self.config.training, self.world.device, sharded=False)
         self.build_schedule(modules, functools.partial(_InvariantStage, plan=self), self.micro_batches_per_rank)
         return spec.loss_fn
 
