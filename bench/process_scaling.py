@@ -30,7 +30,7 @@ RESULT = "bench-result: "
 def worker(flavor: str, repeats: int, folder: str) -> None:
     """One rank of a launch: prints its timings on rank 0."""
     config = config_for("--model.flavor", flavor)
-    world = init_distributed(config)
+    world = init_distributed(config.parallelism)
     run = build_run(config, rank=world.rank, world_size=world.world_size, mesh=world.mesh)
     manager = CheckpointManager(Path(folder), run.parts, interval=1, rank=world.rank)
     saves, loads = [], []

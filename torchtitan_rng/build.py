@@ -58,7 +58,7 @@ class Components:
 
 
 def build_components(config: JobConfig, world: World) -> Components:
-    plan = plan_class(config)(config, world)
+    plan = plan_class(config.parallelism)(config, world)
     plan.prepare_process()
     spec = get_train_spec(config)
     # Identical initial weights on every rank (a shared stream), then wrapped (and sharded) by the plan.
@@ -68,7 +68,7 @@ def build_components(config: JobConfig, world: World) -> Components:
     loss_fn = plan.wrap(model, spec)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config)
+    optimizer = build_optimizer(params, config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config)
     dataset = spec.build_dataset(config)
     dataloader = build_dataloader(config, world, plan, dataset)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import ConfigError, Parallelism
 
 
 @dataclass
@@ -23,12 +23,12 @@ class World:
     mesh: Any = None  # the data-parallel DeviceMesh when world_size > 1
 
 
-def init_distributed(config: JobConfig) -> World:
+def init_distributed(parallelism: Parallelism) -> World:
     """Join torchrun's process group when there is one; plain ``python train.py`` runs alone."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    degree = config.parallelism.data_parallel_shard_degree
+    degree = parallelism.data_parallel_shard_degree
     if degree not in (-1, world_size):
         raise ConfigError(
             f"config parallelism.data_parallel_shard_degree = {degree} does not match the {world_size} "

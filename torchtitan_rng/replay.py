@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.layout import METADATA_NAME
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
@@ -60,7 +62,7 @@ def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
     """The run's config as the replay trains it: the keys the run's mode computes the same bits under whatever
     their value (a world-size-invariant run's pipeline stages) back at their defaults, the replay's processes
     laying the step out their own way."""
-    layout = plan_class(from_values(values)).layout_keys()
+    layout = plan_class(from_values(values).parallelism).layout_keys()
     return {key: value for key, value in values.items() if key not in layout}
 
 
@@ -100,7 +102,7 @@ def _refuse_other_counts(run: Path, values: dict[str, Any], processes: int) -> N
     newest = run_checkpoints(run)[-1]
     integrity.verify_files(newest, [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
     config, info = from_values(_replayed_values(values)), inspect_checkpoint(newest)
-    plan = plan_class(config)
+    plan = plan_class(config.parallelism)
     try:
         plan.check_checkpoint(info, processes, None)
         plan.check_config(config, processes)
@@ -149,8 +151,14 @@ def replay(run: Path, step: int, processes: int = 1, trusted_module: str = "") -
     offset_of = token_offsets(config, trusted_module)
     start = f"checkpoint {checkpoint}" if checkpoint is not None else "the start (no checkpoint before it)"
     print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
-    for number, (loss, grads, keys) in enumerate(zip(seen["losses"], seen["micro_batch_grads"],
-                                                       replayed[SAMPLES_FIELD])):
+    logged_keys = replayed[SAMPLES_FIELD]
+    keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
+               for entry, part, parts in seen["micro_batch_samples"]]
+    # Every sample the step loaded is in a printed micro-batch: a plan whose loss the replay did not see fails here.
+    assert {key for keys in keys_of for key in keys} == {key for keys in logged_keys for key in keys}, (
+        f"the replay saw {len(keys_of)} micro-batches, not all of step {step}'s samples")
+    for number, (loss, grads, keys) in enumerate(zip(seen["losses"], seen["micro_batch_grads"], keys_of,
+                                                       strict=True)):
         print(f"micro-batch {number}: loss {loss!r}  grad_norm {total_norm(grads):.6g}  samples "
               f"{format_keys(keys, offset_of)}")
         print(f"  grad_norm per block: {_blocks(grads)}")

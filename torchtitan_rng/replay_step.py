@@ -62,11 +62,14 @@ def total_norm(norms: dict[str, float]) -> float:
 
 @dataclass
 class StepReport:
-    """What a replay saw of its target step: per micro-batch (rank-major) its loss and the norms of the gradient
-    of its own loss per block, the step's gradient per block before clipping, and the norm of its update."""
+    """What a replay saw of its target step: per micro-batch (rank-major) its loss, the norms of the gradient of
+    its own loss per block and where its samples are in the loss log's ``samples`` (the loader batch's index
+    there, and which of how many equal parts of it: pipeline stages split a loader batch into micro-batches),
+    the step's gradient per block before clipping, and the norm of its update."""
 
     losses: list[float] = field(default_factory=list)
     micro_batch_grads: list[dict[str, float]] = field(default_factory=list)
+    micro_batch_samples: list[tuple[int, int, int]] = field(default_factory=list)
     step_grads: dict[str, float] = field(default_factory=dict)
     update_norm: float = 0.0
 
@@ -119,6 +122,7 @@ def observe(trainer: Any, step: int) -> StepReport:
         if before:
             changes = [(name, p.detach() - old) for (name, p), old in zip(named, before)]
             seen.update_norm = total_norm(block_norms(changes, sharded))
+            _place_micro_batches(seen, trainer.world.rank, trainer.plan.micro_batches_per_rank)
             _gather_micro_batches(seen, trainer.world.world_size)
         return record
 
@@ -126,14 +130,25 @@ def observe(trainer: Any, step: int) -> StepReport:
     return seen
 
 
+def _place_micro_batches(seen: StepReport, rank: int, loader_batches: int) -> None:
+    """Where this rank's micro-batches are in the loss log's samples: rank ``rank``'s ``loader_batches`` loader
+    batches are entries ``rank * loader_batches ...``, each split into the same number of micro-batches, in order
+    (a rank that computes no loss, a pipeline stage before the last, has none)."""
+    parts, left = divmod(len(seen.losses), loader_batches)
+    assert not left, f"{len(seen.losses)} micro-batch losses from {loader_batches} loader batches"
+    seen.micro_batch_samples = [(rank * loader_batches + i // parts, i % parts, parts)
+                                for i in range(len(seen.losses))]
+
+
 def _gather_micro_batches(seen: StepReport, world_size: int) -> None:
     """Every rank's micro-batches into every rank's report, rank-major (the loss log's order of samples)."""
     if world_size == 1:
         return
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (seen.losses, seen.micro_batch_grads))
-    seen.losses = [loss for losses, _ in gathered for loss in losses]
-    seen.micro_batch_grads = [grads for _, per_rank in gathered for grads in per_rank]
+    dist.all_gather_object(gathered, (seen.losses, seen.micro_batch_grads, seen.micro_batch_samples))
+    seen.losses = [loss for losses, _, _ in gathered for loss in losses]
+    seen.micro_batch_grads = [grads for _, per_rank, _ in gathered for grads in per_rank]
+    seen.micro_batch_samples = [where for _, _, per_rank in gathered for where in per_rank]
 
 
 def replay_step(config: JobConfig) -> None:

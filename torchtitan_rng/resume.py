@@ -33,7 +33,7 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
-from torchtitan_rng.config import JobConfig, lr_total_steps, to_dict
+from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
 from torchtitan_rng.errors import CheckpointError, ConfigError
 from torchtitan_rng.parallel import plan_class
 from torchtitan_rng.parallel.plan import ParallelPlan
@@ -56,13 +56,13 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
     return {"bytes": size, "blake2b_ends": digest.hexdigest()}
 
 
-def data_fingerprint(config: JobConfig, dataset: Any) -> dict[str, Any]:
+def data_fingerprint(training: Training, dataset: Any) -> dict[str, Any]:
     """The data a run trains on: the dataset file's size and a hash of its ends (when it is a file) and the
     number of samples per epoch. The vocabulary follows from the data and model.vocab_size (compared as a key)."""
     # A stream (an IterableDataset) has no length: its file's fingerprint stands for it.
     fingerprint: dict[str, Any] = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
-    path = Path(config.training.dataset_path)
-    if config.training.dataset_path and path.is_file():
+    path = Path(training.dataset_path)
+    if training.dataset_path and path.is_file():
         fingerprint.update(_file_fingerprint(path))
     return fingerprint
 
@@ -76,7 +76,7 @@ def resolved(config: JobConfig) -> dict[str, Any]:
 
 
 def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    return run_record.make_record(resolved(config), data_fingerprint(config, dataset))
+    return run_record.make_record(resolved(config), data_fingerprint(config.training, dataset))
 
 
 # --- which checkpoint, and may it be resumed --------------------------------------------------------------
@@ -85,9 +85,9 @@ def folder_of(config: JobConfig) -> Location:
     return checkpoint_folder(config.job.dump_folder, config.checkpoint.folder)
 
 
-def signing_of(config: JobConfig) -> integrity.SigningKey | None:
+def signing_of(checkpoint: Checkpoint) -> integrity.SigningKey | None:
     """The key checkpoints are signed with (checkpoint.signing_key_env); refused when the variable is unset."""
-    return integrity.signing_key(config.checkpoint.signing_key_env)
+    return integrity.signing_key(checkpoint.signing_key_env)
 
 
 def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
@@ -108,10 +108,10 @@ def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], wo
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
-    rule = plan_class(config)
+    rule = plan_class(config.parallelism)
     return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
                record=record, allowed=config.checkpoint.allow_config_change, device=device,
-               signing=signing_of(config), layout_keys=rule.layout_keys())
+               signing=signing_of(config.checkpoint), layout_keys=rule.layout_keys())
 
 
 # --- loading, and how the streams start ---------------------------------------------------------------------
@@ -153,13 +153,12 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     if others:
         log(f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
     no_rng = any(key == layout.TRAIN_STATE or key.startswith(layout.TRAIN_STATE + ".") for key in result.missing)
-    return plan_streams(config, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
+    return plan_streams(config.checkpoint, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
 
 
-def plan_streams(config: JobConfig, train_state: TrainState, path: Path | Location, reseeded: bool, no_rng: bool,
+def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Path | Location, reseeded: bool, no_rng: bool,
                  world_size: int, warn: Callable[[str], None]) -> StreamPlan:
     """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
-    ckpt = config.checkpoint
     if not ckpt.restore_rng or layout.TRAIN_STATE in ckpt.exclude_from_loading:
         return StreamPlan("fresh")
     step = train_state.step

@@ -84,7 +84,8 @@ def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int, JobCo
     if not isinstance(num_samples, int) or world_size is None:
         raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")
     config = from_values(values)
-    return plan_class(config).step_sample_keys(config, num_samples, world_size, step), num_samples, world_size, config
+    keys = plan_class(config.parallelism).step_sample_keys(config, num_samples, world_size, step)
+    return keys, num_samples, world_size, config
 
 
 def token_offsets(config: JobConfig, trusted_module: str = "") -> Callable[[int], int] | None:

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rng.config import JobConfig, StepSet, format_skip_steps, parse_skip_steps
+from torchtitan_rng.config import JobConfig, StepSet, Training, format_skip_steps, parse_skip_steps
 from torchtitan_rng.errors import ConfigError
 
 KEY = "training.skip_steps"
 
 
-def skipped_steps(config: JobConfig) -> StepSet:
-    return parse_skip_steps(config.training.skip_steps)
+def skipped_steps(training: Training) -> StepSet:
+    return parse_skip_steps(training.skip_steps)
 
 
 def canonical(value: str) -> str:
@@ -42,7 +42,7 @@ def refuse_past_steps(config: JobConfig, saved_record: dict[str, Any] | None, ch
     """A skip added at a resume for a step the checkpoint has already trained cannot be applied: refused, with
     the way to apply it (an earlier checkpoint)."""
     saved = parse_skip_steps(str(((saved_record or {}).get("config") or {}).get(KEY, "")))
-    past = skipped_steps(config).minus(saved).up_to(step)  # range by range: "1-100000000" stays one range
+    past = skipped_steps(config.training).minus(saved).up_to(step)  # range by range: "1-100000000" stays one range
     if past:
         raise ConfigError(f"{KEY} adds step(s) {format_skip_steps(past)}, which checkpoint {checkpoint} (step "
                           f"{step}) has already trained; leave them out, or start a new dump folder from a checkpoint "

@@ -32,7 +32,8 @@ class PipelineSplit:
     prune: Callable[[nn.Module, set[int], bool, bool], None]
     # (model, one stage's block indices, first, last): that stage's module, sharing the model's submodules.
     stage: Callable[[nn.Module, list[int], bool, bool], nn.Module]
-    # The last stage's output and the target: the micro-batch's loss (may draw from the global streams).
+    # The last stage's output and the target: the loss, for the schedule's set-up call on uninitialised outputs.
+    # A micro-batch's loss is ``TrainSpec.loss_fn``'s, given a model that returns the last stage's output.
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     input_key: str  # the batch entry the first stage takes
     target_key: str  # the batch entry the loss takes

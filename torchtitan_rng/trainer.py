@@ -71,7 +71,7 @@ class Trainer:
         config = self.config
         self.stopped_before_training = False  # a signal during start-up: nothing was trained or saved
         hold_at("before_process_group", int(os.environ.get("RANK", "0")))
-        self.world = world = init_distributed(config)
+        self.world = world = init_distributed(config.parallelism)
         self._closing.callback(lambda: teardown(clean=not self._failed))
         self._closing.callback(self._release)  # just before the teardown
         self.faults = FaultInjector.from_env(world.rank)
@@ -89,9 +89,9 @@ class Trainer:
             self.faults.watch_compiles(lambda: self.train_state.step + 1)
         # Its workers go before the process group does (docs/design.md, "Teardown order").
         self._closing.callback(lambda: shutdown_workers(parts.dataloader))
-        self.probe = StreamProbe(config, self.plan, rank=world.rank, world_size=world.world_size,
+        self.probe = StreamProbe(config.debug, self.plan, rank=world.rank, world_size=world.world_size,
                                  dataloader=parts.dataloader)
-        self.skipped_steps = skipped_steps(config)
+        self.skipped_steps = skipped_steps(config.training)
         self.checkpointer = CheckpointManager(
             resume.folder_of(config),
             parts.checkpoint_parts(),
@@ -102,7 +102,7 @@ class Trainer:
             async_mode=config.checkpoint.async_mode,
             hooks=self.faults,
             log=self._log,
-            signing=resume.signing_of(config),
+            signing=resume.signing_of(config.checkpoint),
         )
         self.checkpointer.run_record = resume.build_record(config, parts.dataset)
         self._closing.callback(lambda: self.checkpointer.close(abandon=self._failed))
@@ -110,7 +110,7 @@ class Trainer:
                                                             parts.dataloader.batch_sampler, self._log)
         # The config, not a loaded checkpoint, sets the hyperparameters (the schedule: lr_scheduler.py): the
         # same values unless checkpoint.allow_config_change let one change, and then the new one applies.
-        hyperparameters_from_config(parts.optimizer, config)
+        hyperparameters_from_config(parts.optimizer, config.optimizer)
 
     def _log(self, message: str) -> None:
         if self.world.rank == 0:
@@ -151,7 +151,7 @@ class Trainer:
             self._failed = False
             self.stopped_before_training = True
             self._log(f"stopped by {signals.received() or 'a signal to another rank'} during start-up, before step "
-                      f"{train_state.step + 1}: nothing new to save; {preflight.how_to_resume(config)}")
+                      f"{train_state.step + 1}: nothing new to save; {preflight.how_to_resume(config.checkpoint)}")
             return
         samples = SampleLog(world.rank, world.world_size) if config.metrics.log_samples else None
         batches = samples.batches(data_iter) if samples is not None else data_iter
@@ -206,7 +206,7 @@ class Trainer:
         if stopped_at is not None:
             self._log(f"stopped by {signals.received() or 'a signal to another rank'} at step {stopped_at}: "
                       f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; "
-                      f"{preflight.how_to_resume(config)}")
+                      f"{preflight.how_to_resume(config.checkpoint)}")
 
     def _step(self, step: int, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
         """One optimizer step; returns its loss-log record. A skipped step (training.skip_steps, skips.py) loads,

@@ -2,8 +2,9 @@
 stopped and resumed, writes the loss log of its uninterrupted run bit for bit (dropout on in every stage).
 
 One set of runs, side by side, checked several ways:
-* 1F1B: uninterrupted to step 4 (checkpoints at 2 and 4), then from its step 2, side by side: resumed, and the
-  control, resumed with the last stage's streams replaced by the first stage's (it must differ);
+* 1F1B: uninterrupted to step 4 (checkpoints at 2 and 4), then from its step 2, side by side: resumed, the
+  control, resumed with the last stage's streams replaced by the first stage's (it must differ), and its step 4
+  replayed on 2 processes (``python -m torchtitan_rng.replay``: the last stage's micro-batches listed);
 * GPipe with async checkpoints: stopped by SIGTERM to rank 1 (the last stage) and resubmitted; on two stages
   GPipe runs each stage's forwards and backwards in the order 1F1B does, so its reference is 1F1B's run;
 * Interleaved1F1B (four stages on two ranks): ``verify_resume`` (stop at 2, resume to 4, stream fingerprints);
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.support.checks import assert_every_line_matches, rewrite_checkpoint
-from tests.support.launch import EVERY_STEP, REPO, compare, together, train, verify
+from tests.support.checks import assert_every_line_matches, float_bits, rewrite_checkpoint
+from tests.support.launch import EVERY_STEP, REPO, compare, launch, together, train, verify
+from torchtitan_rng import samples
 from torchtitan_rng.checkpoint.layout import TRAIN_STATE, complete_steps, rank_key
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
@@ -73,7 +77,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     def one_f_one_b() -> None:
         train(dumps["1F1B"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2)
-        together(control, lambda: _resume_from_step_2(dumps["1F1B"], dumps["1F1B_resumed"], "1F1B"))
+        together(control, lambda: _resume_from_step_2(dumps["1F1B"], dumps["1F1B_resumed"], "1F1B"),
+                 lambda: outputs.setdefault("replay", launch(
+                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["1F1B"]), "--step", "4",
+                      "--processes", "2"], processes=2)))
 
     def sigterm_and_resume() -> None:
         # Rank 1 alone is signalled before step 2; the ranks' vote stops both stages after step 3.
@@ -150,3 +157,20 @@ def test_interleaved_verify_resume_passes(runs: dict) -> None:
     proc: subprocess.CompletedProcess = runs["verify"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "\nPASS: identical" in proc.stdout, proc.stdout
+
+
+def test_replay_of_a_pipelined_step_lists_its_micro_batches(runs: dict) -> None:
+    """Step 4 of the 1F1B run replayed on 2 processes from its step 2: the last stage's two micro-batches of 4
+    samples (the halves of the step's batch), whose mean loss is the logged loss bit for bit, and the verdict."""
+    proc: subprocess.CompletedProcess = runs["replay"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    logged = read_loss_log(runs["1F1B"])[4]
+    assert proc.stdout.splitlines()[-1] == (f"step 4: loss {logged['loss']!r}, grad_norm {logged['grad_norm']!r}, "
+                                            "equal to the run's loss log bit for bit")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("micro-batch ")]
+    assert [line.split(":")[0] for line in lines] == ["micro-batch 0", "micro-batch 1"], proc.stdout
+    keys = [[int(key) for key in line.split("samples ")[1].split()] for line in lines]
+    first_stage, last_stage = samples.step_samples(runs["1F1B"], 4)[0]  # each stage loads the step's batch
+    assert first_stage == last_stage and keys == [last_stage[:4], last_stage[4:]]
+    losses = torch.tensor([float(line.split()[3]) for line in lines])
+    assert float_bits(float(losses.mean())) == float_bits(logged["loss"])

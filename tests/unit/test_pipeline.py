@@ -34,8 +34,8 @@ def _pp(degree: int, schedule: str, *overrides: str) -> JobConfig:
 
 
 def test_plan_class_is_the_pipeline_plan_from_degree_2() -> None:
-    assert plan_class(_config()) is DataParallelPlan
-    assert plan_class(_pp(2, "1F1B")) is PipelinePlan
+    assert plan_class(_config().parallelism) is DataParallelPlan
+    assert plan_class(_pp(2, "1F1B").parallelism) is PipelinePlan
 
 
 @pytest.mark.parametrize(("schedule", "layers", "split", "expected"), [
@@ -47,13 +47,13 @@ def test_plan_class_is_the_pipeline_plan_from_degree_2() -> None:
 def test_layers_split_evenly_or_at_the_split_points(schedule: str, layers: int, split: tuple[str, ...],
                                                     expected: list[list[int]]) -> None:
     overrides = ("--parallelism.pipeline_parallel_split_points", ",".join(split)) if split else ()
-    assert stage_layers(_pp(2, schedule, *overrides), layers) == expected
+    assert stage_layers(_pp(2, schedule, *overrides).parallelism, layers) == expected
 
 
 def test_stages_over_ranks_looped_and_v() -> None:
-    looped = _pp(2, "Interleaved1F1B")
+    looped = _pp(2, "Interleaved1F1B").parallelism
     assert [stages_of_rank(looped, rank) for rank in (0, 1)] == [[0, 2], [1, 3]]
-    v_shape = _pp(2, "ZBVZeroBubble")
+    v_shape = _pp(2, "ZBVZeroBubble").parallelism
     assert [stages_of_rank(v_shape, rank) for rank in (0, 1)] == [[0, 3], [1, 2]]
 
 
@@ -76,7 +76,7 @@ def test_what_cannot_run_is_refused_in_one_line(config: JobConfig, world_size: i
 
 def test_too_few_layers_for_the_stages_is_refused() -> None:
     with pytest.raises(ConfigError, match="the model has 2 layers, too few for 4 pipeline stages"):
-        stage_layers(_pp(2, "Interleaved1F1B"), 2)
+        stage_layers(_pp(2, "Interleaved1F1B").parallelism, 2)
 
 
 class _Samples:

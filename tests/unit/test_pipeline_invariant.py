@@ -39,8 +39,8 @@ def _pp2(schedule: str = "1F1B", *overrides: str) -> JobConfig:
 
 
 def test_plan_class_with_stages_in_the_invariant_mode() -> None:
-    assert plan_class(_pp2()) is InvariantPipelinePlan
-    assert plan_class(_config(*INVARIANT)) is InvariantPlan
+    assert plan_class(_pp2().parallelism) is InvariantPipelinePlan
+    assert plan_class(_config(*INVARIANT).parallelism) is InvariantPlan
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
@@ -74,7 +74,7 @@ def test_a_layout_change_at_resume_is_quiet_in_the_invariant_mode_only() -> None
     control: the same change is two refused keys for the ordinary pipeline plan."""
     saved = resume.build_record(_pp2(), _Samples())
     one_process = resume.build_record(_config(*INVARIANT), _Samples())
-    assert run_record.differences(saved, one_process, plan_class(_config(*INVARIANT)).layout_keys()) == []
+    assert run_record.differences(saved, one_process, plan_class(_config(*INVARIANT).parallelism).layout_keys()) == []
     assert run_record.check_resume(Path("ckpt/step-2"), saved, one_process, [],
                                    layout_keys=InvariantPlan.layout_keys()) == []
     changed = [change.key for change in run_record.differences(saved, one_process, PipelinePlan.layout_keys())]

@@ -79,10 +79,10 @@ def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> 
                 for rank in range(2)]
     for step in range(1, 9):
         loaded = [next(sampler) for sampler in samplers for _ in range(2)]
-        assert plan_class(config).step_sample_keys(config, 10, 2, step) == loaded, step
+        assert plan_class(config.parallelism).step_sample_keys(config, 10, 2, step) == loaded, step
     # Control: another seed orders them otherwise.
     other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])
-    assert plan_class(other).step_sample_keys(other, 10, 2, 8) != loaded
+    assert plan_class(other.parallelism).step_sample_keys(other, 10, 2, 8) != loaded
 
 
 def test_a_huge_range_stays_a_range() -> None:
@@ -93,7 +93,7 @@ def test_a_huge_range_stays_a_range() -> None:
     assert 1 in steps and 100000000 in steps and 100000001 not in steps and 200000000 in steps and 0 not in steps
     assert skips.canonical("200000000,1-100000000") == "1-100000000,200000000"
     config = parse_args(["--job.config_file", CONFIG, "--training.skip_steps", "1-100000000"])
-    assert 77 in skips.skipped_steps(config)
+    assert 77 in skips.skipped_steps(config.training)
     with pytest.raises(ConfigError, match=r"adds step\(s\) 1-2,4-5, which checkpoint .* \(step 5\) has already"):
         skips.refuse_past_steps(config, _record("--training.skip_steps", "3"), Path("ckpt"), 5)
     skips.refuse_past_steps(config, _record("--training.skip_steps", "1-100000000"), Path("ckpt"), 5)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.config import ConfigError, JobConfig, parse_perturb_rng
+from torchtitan_rng.config import ConfigError, Debug, parse_perturb_rng
 from torchtitan_rng.diagnosis.divergence import FINGERPRINT_KEY
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import capture_global_rng, fingerprint, registered_generators
@@ -58,17 +58,17 @@ def _gather(prints: dict[str, str]) -> list[dict[str, str]]:
 class StreamProbe:
     """Called entering every step; costs one ``if`` per step when both options are off."""
 
-    def __init__(self, config: JobConfig, plan: ParallelPlan, *, rank: int, world_size: int,
+    def __init__(self, debug: Debug, plan: ParallelPlan, *, rank: int, world_size: int,
                  dataloader: Stateful) -> None:
         """``plan``: how the run's streams enter a step (carried, or seeded by each micro-batch)."""
-        self.enabled = config.debug.rng_fingerprint
+        self.enabled = debug.rng_fingerprint
         self.rank = rank
         self.plan = plan
         self.device = plan.world.device
         self.data_position = plan.data_position(dataloader)
         self.perturb: tuple[str, int, int] | None = None
-        if config.debug.perturb_rng:
-            stream, perturb_rank, step = parse_perturb_rng(config.debug.perturb_rng)
+        if debug.perturb_rng:
+            stream, perturb_rank, step = parse_perturb_rng(debug.perturb_rng)
             _check_stream_exists(stream, perturb_rank, world_size, self.device)
             if not plan.carries_streams and stream != "dataloader":
                 raise ConfigError(f"config debug.perturb_rng disturbs the {stream} stream entering a step, but in this "

@@ -85,7 +85,7 @@ def _starting_ranks_blocked(names: list[str], started: list[int]) -> None:
 def _stopped_before_training(name: str, config: JobConfig) -> int:
     from torchtitan_rng.launch import preflight
 
-    print(f"{name}: stopped before training started, nothing new to save; {preflight.how_to_resume(config)}",
+    print(f"{name}: stopped before training started, nothing new to save; {preflight.how_to_resume(config.checkpoint)}",
           flush=True)
     return 0
 
@@ -171,11 +171,11 @@ def _launch(argv: list[str]) -> int:
             if signals.stopped_before_training(exit_dir):
                 return _stopped_before_training(err.sigval.name, config)
             print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
-                  f"{preflight.how_to_resume(config)}", flush=True)
+                  f"{preflight.how_to_resume(config.checkpoint)}", flush=True)
             return 0
         print(f"error: stopped by {err.sigval.name} before every rank had checkpointed ({clean} local ranks "
               f"exited cleanly); to resume from the newest complete checkpoint, "
-              f"{preflight.how_to_resume(config).removesuffix(' to resume')}", file=sys.stderr, flush=True)
+              f"{preflight.how_to_resume(config.checkpoint).removesuffix(' to resume')}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return _failed(err.failures)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torchtitan_rng import resume, signals
 from torchtitan_rng.checkpoint.layout import complete_steps
-from torchtitan_rng.config import JobConfig, as_flags, parse_args
+from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.models import get_train_spec
@@ -28,9 +28,9 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     spec = get_train_spec(config)
     signals.signal_numbers(config.signals.checkpoint_on)
     check_dump_folder(Path(config.job.dump_folder))
-    resume.signing_of(config)  # a key named but not set: refused before any save or load
+    resume.signing_of(config.checkpoint)  # a key named but not set: refused before any save or load
     if world_size is not None:
-        plan_class(config).check_config(config, world_size)
+        plan_class(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
     if path is None:
         return None
@@ -101,9 +101,9 @@ def _last_logged_step(log: Path) -> int:
     return last
 
 
-def how_to_resume(config: JobConfig) -> str:
+def how_to_resume(checkpoint: Checkpoint) -> str:
     """The resume instruction that is true for this config (the shipped configs leave checkpointing off)."""
-    if config.checkpoint.enable:
+    if checkpoint.enable:
         return "run the same command again to resume"
     return "run the same command again with --checkpoint.enable to resume"
 

@@ -5,15 +5,15 @@
 
 from __future__ import annotations
 
-from torchtitan_rng.config import JobConfig
+from torchtitan_rng.config import Parallelism
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
 from torchtitan_rng.parallel.invariant.plan import InvariantPlan
 from torchtitan_rng.parallel.plan import ParallelPlan
 
 
-def plan_class(config: JobConfig) -> type[ParallelPlan]:
-    """The plan of the mode ``config`` asks for."""
-    pipelined, invariant = config.parallelism.pipeline_parallel_degree > 1, config.parallelism.world_size_invariant
+def plan_class(parallelism: Parallelism) -> type[ParallelPlan]:
+    """The plan of the mode ``parallelism`` asks for."""
+    pipelined, invariant = parallelism.pipeline_parallel_degree > 1, parallelism.world_size_invariant
     if pipelined:
         # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU that the
         # launcher of a run that does not pipeline need not spend.

@@ -69,13 +69,13 @@ class DataParallelPlan(ParallelPlan):
 
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
         config, world = self.config, self.world
-        wrapping.apply_activation_checkpointing(model, spec, config)
-        wrapping.apply_compile(model, spec, config)
+        wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
+        wrapping.apply_compile(model, spec, config.compile)
         sharded = world.world_size > 1
         if sharded:
-            spec.apply_fsdp(model, world.mesh, wrapping.fsdp_mixed_precision(config))
-        self.compute_context = wrapping.autocast_context(config, world.device, sharded)
-        return wrapping.compiled_loss(spec.loss_fn, model, config)
+            spec.apply_fsdp(model, world.mesh, wrapping.fsdp_mixed_precision(config.training))
+        self.compute_context = wrapping.autocast_context(config.training, world.device, sharded)
+        return wrapping.compiled_loss(spec.loss_fn, model, config.compile)
 
     @property
     def micro_batches_per_rank(self) -> int:

@@ -2,8 +2,9 @@
 ``dp`` ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it).
 
 A step is an optimizer step, as in ordinary data parallelism: ``torch.distributed.pipelining`` runs each of the
-rank's loader batches as one schedule of ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches,
-and the trainer checkpoints, stops and logs only between steps. Every rank's global streams go on from step to
+rank's loader batches as one schedule of ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches
+(the last stage computes each one's loss with the step's loss function, as the other plans do), and the trainer
+checkpoints, stops and logs only between steps. Every rank's global streams go on from step to
 step and are saved per rank, so each stage's dropout resumes where it stopped; the ranks of one stage's dp group
 read the same batches as the ranks of the other stages in their dp column (``data_shard``).
 
@@ -16,6 +17,7 @@ The world-size-invariant mode's stages (``invariant/pipeline.py``) build on this
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,11 +29,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_sc
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
-from torchtitan_rng.config import ConfigError, JobConfig, gradient_accumulation_steps
+from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, gradient_accumulation_steps
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.data_parallel import DataParallelPlan
 from torchtitan_rng.parallel.plan import to_device
-from torchtitan_rng.train_spec import LossFn, PipelineSplit, TrainSpec
+from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec
 
 _KEY = "parallelism.pipeline_parallel"
 _SPLIT_PREFIX = "layers."
@@ -42,19 +44,18 @@ def _multi_stage(schedule: str) -> bool:
     return issubclass(get_schedule_class(schedule), PipelineScheduleMulti)
 
 
-def stage_count(config: JobConfig) -> int:
+def stage_count(parallelism: Parallelism) -> int:
     """Stages over all ranks: one per split point plus one; without split points, one per rank (two for a
     schedule that runs several stages per rank)."""
-    par = config.parallelism
-    if par.pipeline_parallel_split_points:
-        return len(par.pipeline_parallel_split_points) + 1
-    return par.pipeline_parallel_degree * (2 if _multi_stage(par.pipeline_parallel_schedule) else 1)
+    if parallelism.pipeline_parallel_split_points:
+        return len(parallelism.pipeline_parallel_split_points) + 1
+    return parallelism.pipeline_parallel_degree * (2 if _multi_stage(parallelism.pipeline_parallel_schedule) else 1)
 
 
-def split_starts(config: JobConfig) -> list[int]:
+def split_starts(parallelism: Parallelism) -> list[int]:
     """The first layer of each stage after the first, from ``layers.N`` split points (strictly increasing)."""
     starts = []
-    for point in config.parallelism.pipeline_parallel_split_points:
+    for point in parallelism.pipeline_parallel_split_points:
         number = point[len(_SPLIT_PREFIX):]
         if not (point.startswith(_SPLIT_PREFIX) and number.isdigit()) or int(number) < 1:
             raise ConfigError(f"config {_KEY}_split_points has {point!r}; a split point is layers.N, the first "
@@ -65,10 +66,10 @@ def split_starts(config: JobConfig) -> list[int]:
     return starts
 
 
-def stage_layers(config: JobConfig, n_layers: int) -> list[list[int]]:
+def stage_layers(parallelism: Parallelism, n_layers: int) -> list[list[int]]:
     """The layer indices of every stage: at the split points, or as even as they go (earlier stages one more)."""
-    count = stage_count(config)
-    starts = split_starts(config)
+    count = stage_count(parallelism)
+    starts = split_starts(parallelism)
     if not starts:
         per, extra = divmod(n_layers, count)
         starts = [sum(per + (s < extra) for s in range(stage)) for stage in range(1, count)]
@@ -81,14 +82,40 @@ def stage_layers(config: JobConfig, n_layers: int) -> list[list[int]]:
     return stages
 
 
-def stages_of_rank(config: JobConfig, pp_rank: int) -> list[int]:
+def stages_of_rank(parallelism: Parallelism, pp_rank: int) -> list[int]:
     """Which stages a pipeline rank runs: stage s on rank s mod pp (looped), or for a V schedule (ZBV) s on
     rank s in the first half and 2 pp - 1 - s in the second."""
-    par = config.parallelism
-    pp, count = par.pipeline_parallel_degree, stage_count(config)
-    if par.pipeline_parallel_schedule == "ZBVZeroBubble":
+    pp, count = parallelism.pipeline_parallel_degree, stage_count(parallelism)
+    if parallelism.pipeline_parallel_schedule == "ZBVZeroBubble":
         return [s for s in range(count) if (s if s < pp else 2 * pp - 1 - s) == pp_rank]
     return [s for s in range(count) if s % pp == pp_rank]
+
+
+class _LastStageOutput(nn.Module):
+    """The model as the step's loss function sees it on the last stage: the schedule has already run the stages
+    on the micro-batch, so calling it returns their output."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.output
+
+
+class PlanStage(PipelineStage):
+    """A stage that, when last, tells its plan which micro-batch the schedule's next loss call is for: the schedule
+    also calls the loss while it sets the stages up, on uninitialised outputs, and that call is no micro-batch's."""
+
+    def __init__(self, *args: Any, plan: PipelinePlan, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._plan = plan
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last:
+            self._plan.loss_due = (output, fwd_chunk_id)
+        return output
 
 
 class PipelinePlan(DataParallelPlan):
@@ -110,6 +137,11 @@ class PipelinePlan(DataParallelPlan):
         self.stage_ids: list[int] = []  # the stages this rank runs
         self._last_losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
+        # What the last stage's loss calls of a schedule run take: the step's loss function, the run's
+        # micro-batches, and (set by the stage's forward) the output and index of the micro-batch due.
+        self._loss_fn: LossFn | None = None
+        self._micro_batches: list[Batch] = []
+        self.loss_due: tuple[Any, int] | None = None
 
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int) -> None:
@@ -125,8 +157,8 @@ class PipelinePlan(DataParallelPlan):
             raise ConfigError(f"config validation.enable: validation runs the whole model, which {_KEY}_degree "
                               f"= {pp} splits over processes; turn validation off")
         gradient_accumulation_steps(config, world_size // pp)
-        split_starts(config)
-        count = stage_count(config)
+        split_starts(config.parallelism)
+        count = stage_count(config.parallelism)
         multi = _multi_stage(par.pipeline_parallel_schedule)
         if count % pp or (count != pp and not multi) or (multi and count < 2 * pp):
             per_rank = "one stage" if not multi else "two or more stages"
@@ -172,9 +204,9 @@ class PipelinePlan(DataParallelPlan):
         sharded = self.dp > 1
         if sharded:
             for module in modules:
-                spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config))
-        self.compute_context = wrapping.autocast_context(config, self.world.device, sharded)
-        self.build_schedule(modules, PipelineStage, self.pipeline_micro_batches)
+                spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config.training))
+        self.compute_context = wrapping.autocast_context(config.training, self.world.device, sharded)
+        self.build_schedule(modules, functools.partial(PlanStage, plan=self), self.pipeline_micro_batches)
         return spec.loss_fn
 
     def split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
@@ -183,19 +215,19 @@ class PipelinePlan(DataParallelPlan):
             raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
                               f"pipeline split); use {_KEY}_degree 1")
         self.split = spec.pipeline
-        layers = stage_layers(self.config, len(spec.block_lists(model)[0]))
+        layers = stage_layers(self.config.parallelism, len(spec.block_lists(model)[0]))
         count = len(layers)
-        self.stage_ids = stages_of_rank(self.config, self.pp_rank)
+        self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
-        wrapping.apply_activation_checkpointing(model, spec, self.config)
-        wrapping.apply_compile(model, spec, self.config)
+        wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
+        wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
 
     def build_schedule(self, modules: list[nn.Module], stage_class: Callable[..., PipelineStage],
                        micro_batches: int) -> None:
         """This rank's stages (of ``stage_class``) and the configured schedule of ``micro_batches`` over them."""
-        count = stage_count(self.config)
+        count = stage_count(self.config.parallelism)
         self.stages = [stage_class(module, s, count, self.world.device, group=self.pp_group)
                        for s, module in zip(self.stage_ids, modules)]
         name = self.config.parallelism.pipeline_parallel_schedule
@@ -210,10 +242,26 @@ class PipelinePlan(DataParallelPlan):
                               f"schedule run over {count} stages ({err}); give each run more micro-batches") from None
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        assert self.split is not None
-        loss = self.split.loss(output, target)
+        """The schedule's loss: the step's loss function on the micro-batch whose output the last stage gave."""
+        assert self.split is not None and self._loss_fn is not None
+        due, self.loss_due = self.loss_due, None
+        if due is None or due[0] is not output:  # the schedule setting its stages up: only shapes are kept
+            return self.split.loss(output, target) / self._loss_scale
+        loss = self._loss_fn(_LastStageOutput(output), self._micro_batches[due[1]], self.config)
         self._last_losses.append(loss.detach().float())
         return loss / self._loss_scale
+
+    def run_schedule(self, batch: Batch, micro_batches: list[Batch], loss_fn: LossFn) -> list[torch.Tensor]:
+        """One schedule run over ``batch`` (``micro_batches``: its split, as the schedule splits it); the last
+        stage's micro-batch losses (by ``loss_fn``), in micro-batch order (none on other stages)."""
+        assert self.split is not None
+        inputs = (batch[self.split.input_key],) if self._holds_first else ()
+        target = batch[self.split.target_key] if self._holds_last else None
+        self._loss_fn, self._micro_batches, self._last_losses = loss_fn, micro_batches, []
+        with self.compute_context():
+            self.schedule.step(*inputs, target=target, return_outputs=False)
+        assert len(self._last_losses) == (len(micro_batches) if self._holds_last else 0)
+        return self._last_losses
 
     @property
     def _holds_first(self) -> bool:
@@ -228,21 +276,16 @@ class PipelinePlan(DataParallelPlan):
         """Each of the rank's loader batches through the schedule; each micro-batch's loss scaled by 1/(micro-
         batches x accumulation). Returns the mean loss over the last stage's micro-batches and the dp ranks, the
         same on every rank."""
-        assert self.split is not None
         accumulation, device = self.micro_batches_per_rank, self.world.device
         micro_batches = self.pipeline_micro_batches
         self._loss_scale = float(micro_batches * accumulation)
         losses: list[torch.Tensor] = []
         for _ in range(accumulation):
             batch = to_device(next(batches), device)
-            inputs = (batch[self.split.input_key],) if self._holds_first else ()
-            target = batch[self.split.target_key] if self._holds_last else None
-            self._last_losses = []
-            with self.compute_context():
-                self.schedule.step(*inputs, target=target, return_outputs=False)
-            # The micro-batches' losses are the last ones: the schedule's first run also calls the loss on
-            # uninitialised outputs while it sets the stages up.
-            losses += self._last_losses[len(self._last_losses) - micro_batches:]
+            # Split as the schedule splits its inputs and target (torch.tensor_split along the batch).
+            split = {key: value.tensor_split(micro_batches) for key, value in batch.items()}
+            losses += self.run_schedule(batch, [{key: parts[i] for key, parts in split.items()}
+                                                for i in range(micro_batches)], loss_fn)
         total = torch.zeros((), device=device)
         if self._holds_last:
             total = torch.stack(losses).mean()

@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import ActivationCheckpoint, Compile, ConfigError, Training
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -49,9 +49,8 @@ def _block_lists(spec: TrainSpec, model: nn.Module, feature: str) -> list[nn.Mod
     return spec.block_lists(model)
 
 
-def apply_activation_checkpointing(model: nn.Module, spec: TrainSpec, config: JobConfig) -> None:
+def apply_activation_checkpointing(model: nn.Module, spec: TrainSpec, ac: ActivationCheckpoint) -> None:
     """Wrap blocks in non-reentrant checkpointing: every block (full), every Nth, or per op (selective)."""
-    ac = config.activation_checkpoint
     if ac.mode == "none":
         return
     every_nth = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else 1
@@ -76,9 +75,9 @@ def _compile_static() -> None:
     torch._dynamo.config.automatic_dynamic_local_pgo = False
 
 
-def apply_compile(model: nn.Module, spec: TrainSpec, config: JobConfig) -> None:
+def apply_compile(model: nn.Module, spec: TrainSpec, compile_config: Compile) -> None:
     """Compile each block in place of itself (the state-dict names lose ``_orig_mod`` on save)."""
-    if not (config.compile.enable and "model" in config.compile.components):
+    if not (compile_config.enable and "model" in compile_config.components):
         return
     _compile_static()
     for blocks in _block_lists(spec, model, "compile.components = model"):
@@ -86,29 +85,29 @@ def apply_compile(model: nn.Module, spec: TrainSpec, config: JobConfig) -> None:
             blocks[index] = torch.compile(block)
 
 
-def compiled_loss(loss_fn: LossFn, model: nn.Module, config: JobConfig) -> LossFn:
+def compiled_loss(loss_fn: LossFn, model: nn.Module, compile_config: Compile) -> LossFn:
     """The loss around the model call, compiled when ``compile.components`` has ``loss``.
 
     The model's own forward is left out of that graph (its blocks are compiled on their own, and FSDP's
     hooks run eagerly around them): dynamo breaks the graph at the call.
     """
-    if not (config.compile.enable and "loss" in config.compile.components):
+    if not (compile_config.enable and "loss" in compile_config.components):
         return loss_fn
     _compile_static()
     model.forward = torch.compiler.disable(model.forward)
     return torch.compile(loss_fn)
 
 
-def fsdp_mixed_precision(config: JobConfig) -> MixedPrecisionPolicy:
+def fsdp_mixed_precision(training: Training) -> MixedPrecisionPolicy:
     """FSDP2's policy: parameters gathered in ``mixed_precision_param``, gradients reduced in ``_reduce``."""
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[config.training.mixed_precision_param],
-                                reduce_dtype=_DTYPES[config.training.mixed_precision_reduce])
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
+                                reduce_dtype=_DTYPES[training.mixed_precision_reduce])
 
 
-def autocast_context(config: JobConfig, device: torch.device, sharded: bool) -> Callable[[], ContextManager]:
+def autocast_context(training: Training, device: torch.device, sharded: bool) -> Callable[[], ContextManager]:
     """Without FSDP (one process, or the world-size-invariant mode's replicated parameters) nothing casts the
     parameters: bf16 compute there is autocast around forward and loss."""
-    dtype = _DTYPES[config.training.mixed_precision_param]
+    dtype = _DTYPES[training.mixed_precision_param]
     if sharded or dtype == torch.float32:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)

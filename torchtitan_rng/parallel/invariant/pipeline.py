@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
 from torchtitan_rng.config import ConfigError, JobConfig
@@ -37,7 +36,7 @@ from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.invariant import reduction, setup
 from torchtitan_rng.parallel.invariant.plan import InvariantPlan, hooked_streams
 from torchtitan_rng.parallel.invariant.step import divide_grads, mean_loss_in_slot_order
-from torchtitan_rng.parallel.pipeline import PipelinePlan
+from torchtitan_rng.parallel.pipeline import PipelinePlan, PlanStage
 from torchtitan_rng.parallel.plan import to_device
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
@@ -58,13 +57,13 @@ def _plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
-class _InvariantStage(PipelineStage):
+class _InvariantStage(PlanStage):
     """A stage whose micro-batch ``i`` draws as its column's slot ``i`` and, when sharded, whose every
     micro-batch's gradient goes through the slot-order exchange at its own backward."""
 
     def __init__(self, *args: Any, plan: InvariantPipelinePlan, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._plan = plan
+        super().__init__(*args, plan=plan, **kwargs)
+        self._plan: InvariantPipelinePlan = plan
         self._backwards = 0  # this step's backwards so far
 
     def begin_step(self) -> None:
@@ -130,7 +129,7 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
         self._order = [name for name, p in model.named_parameters() if p.requires_grad]  # the whole model's
         modules = self.split_model(model, spec)
-        self.streams = hooked_streams(model, spec, self.config)
+        self.streams = hooked_streams(model, spec, self.config.debug)
         if self.dp > 1:
             # float32 gathers and reductions, as the invariant mode without stages (see plan.py)
             policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -139,7 +138,7 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
             self.exchanges = [exchange for module in modules
                               for exchange in reduction.use_slot_order_exchange(module)]
         self._names = [_plain_name(name) for name, p in model.named_parameters() if p.requires_grad]
-        self.compute_context = wrapping.autocast_context(self.config, self.world.device, sharded=False)
+        self.compute_context = wrapping.autocast_context(self.config.training, self.world.device, sharded=False)
         self.build_schedule(modules, functools.partial(_InvariantStage, plan=self), self.micro_batches_per_rank)
         return spec.loss_fn
 
@@ -148,24 +147,20 @@ class InvariantPipelinePlan(InvariantPlan, PipelinePlan):
         """One schedule run over the column's micro-batches (the schedule splits the concatenated batch back into
         them, in order); the mean gradient and loss over all ``M`` micro-batches, the loss the same on every
         rank."""
-        layout, split = self.layout, self.split
-        assert layout is not None and split is not None, "batch_sampler() and wrap() come first"
+        layout = self.layout
+        assert layout is not None and self.split is not None, "batch_sampler() and wrap() come first"
         self.step = step
         for exchange in self.exchanges:
             exchange.begin_step()
         for stage in self.stages:
             stage.begin_step()
         loaded = [to_device(next(batches), self.world.device) for _ in range(layout.per_rank)]
-        inputs = (torch.cat([b[split.input_key] for b in loaded]),) if self._holds_first else ()
-        target = torch.cat([b[split.target_key] for b in loaded]) if self._holds_last else None
-        self._loss_scale, self._last_losses = 1.0, []
-        with self.compute_context():
-            self.schedule.step(*inputs, target=target, return_outputs=False)
+        self._loss_scale = 1.0
+        losses = self.run_schedule({key: torch.cat([b[key] for b in loaded]) for key in loaded[0]}, loaded, loss_fn)
         divide_grads(params, layout)
         loss = torch.zeros((), device=self.world.device)
-        if self._holds_last:  # the last losses: the schedule's first run also calls the loss while setting up
-            losses = torch.stack(self._last_losses[len(self._last_losses) - layout.per_rank:])
-            loss = mean_loss_in_slot_order(losses, layout, self.dp_mesh.get_group())
+        if self._holds_last:
+            loss = mean_loss_in_slot_order(torch.stack(losses), layout, self.dp_mesh.get_group())
         # One rank of each pipeline group holds the loss, the others 0: the sum is that loss, unrounded.
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
         return loss

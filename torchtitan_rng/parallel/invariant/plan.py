@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.config import JobConfig
+from torchtitan_rng.config import Debug, JobConfig
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.invariant import reduction, setup, step as invariant_step
@@ -33,9 +33,9 @@ from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 
-def hooked_streams(model: nn.Module, spec: TrainSpec, config: JobConfig) -> MicroBatchStreams:
+def hooked_streams(model: nn.Module, spec: TrainSpec, debug: Debug) -> MicroBatchStreams:
     """The micro-batch streams, reseeded at each of ``model``'s blocks (call it once the blocks are wrapped)."""
-    streams = MicroBatchStreams(config.debug.seed)
+    streams = MicroBatchStreams(debug.seed)
     if spec.block_lists is not None:  # a model without blocks draws from its micro-batch's stream alone
         streams.hook_blocks(spec.block_lists(model))
     return streams
@@ -78,17 +78,17 @@ class InvariantPlan(ParallelPlan):
 
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
         config = self.config
-        wrapping.apply_activation_checkpointing(model, spec, config)
-        wrapping.apply_compile(model, spec, config)
-        self.streams = hooked_streams(model, spec, config)
+        wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
+        wrapping.apply_compile(model, spec, config.compile)
+        self.streams = hooked_streams(model, spec, config.debug)
         if self.world.world_size > 1:
             # FSDP2 gathers float32 parameters at every count, so that bf16 compute is the same autocast as on
             # one process (where nothing is sharded) and gradients reach the exchange in float32.
             spec.apply_fsdp(model, self.world.mesh, MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
             self.exchanges = reduction.use_slot_order_exchange(model)
-        self.compute_context = wrapping.autocast_context(config, self.world.device, sharded=False)
-        return wrapping.compiled_loss(spec.loss_fn, model, config)
+        self.compute_context = wrapping.autocast_context(config.training, self.world.device, sharded=False)
+        return wrapping.compiled_loss(spec.loss_fn, model, config.compile)
 
     @property
     def micro_batches_per_rank(self) -> int:
@@ -104,7 +104,7 @@ class InvariantPlan(ParallelPlan):
         return setup.global_sampler(len(dataset), self.config, self.layout)
 
     def record_parts(self) -> dict[str, Stateful]:
-        return {RECORD_PART: InvariantRecord(self.config)}
+        return {RECORD_PART: InvariantRecord(self.config.training)}
 
     def forward_backward(self, model: nn.Module, params: list[nn.Parameter], batches: Iterator[dict[str, Any]],
                          loss_fn: LossFn, step: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
-from torchtitan_rng.config import JobConfig
+from torchtitan_rng.config import Training
 
 RECORD_PART = "world_size_invariant"
 _FLAG = "--parallelism.world_size_invariant"
@@ -30,9 +30,9 @@ def check_checkpoint_mode(info: CheckpointInfo, invariant: bool) -> None:
 class InvariantRecord:
     """A Stateful checkpoint part: the batch shape of the invariant run (its presence marks the mode)."""
 
-    def __init__(self, config: JobConfig) -> None:
-        self.global_batch_size = config.training.global_batch_size
-        self.local_batch_size = config.training.local_batch_size
+    def __init__(self, training: Training) -> None:
+        self.global_batch_size = training.global_batch_size
+        self.local_batch_size = training.local_batch_size
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_batch_size": torch.tensor(self.global_batch_size, dtype=torch.int64),
