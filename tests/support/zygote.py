@@ -160,8 +160,12 @@ def _write_relay(path: str) -> str:
 
 
 def _reap(waiting: dict[int, socket.socket]) -> None:
-    while waiting:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+    """Collect every ended child (those killed after their caller left too) and tell their callers."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # no child at all
+            return
         if pid == 0:
             return
         conn = waiting.pop(pid, None)
@@ -244,29 +248,44 @@ def _parse(argv: list[str]) -> dict[str, Any] | None:
     return None
 
 
-def _ask(path: str, command: dict[str, Any], fds: list[int]) -> tuple[socket.socket, int] | None:
-    """Send ``command`` to the server: the connection and the child's pid, or None when it must run cold."""
+class _Reply:
+    """The server's answer to one command: the child's pid, then (once it ended) its exit status. Read line by
+    line from a buffered reader: a child that ends at once sends both lines in one packet."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.lines = conn.makefile("rb")
+        self.pid = 0
+
+    def line(self) -> str:
+        line = self.lines.readline()
+        if not line:
+            raise RuntimeError("the test zygote closed the connection")
+        return line.decode().strip()
+
+    def exit_status(self) -> int:
+        return int(self.line().split()[1])
+
+    def close(self) -> None:
+        self.lines.close()
+        self.conn.close()
+
+
+def _ask(path: str, command: dict[str, Any], fds: list[int]) -> _Reply | None:
+    """Send ``command`` to the server: its reply once the child is forked, or None when it must run cold."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     data = json.dumps(command).encode()
     header = _HEADER.pack(len(data))
     sent = socket.send_fds(conn, [header], fds)
     conn.sendall(header[sent:] + data)
-    reply = _line(conn)
-    if reply == "cold":
-        conn.close()
+    reply = _Reply(conn)
+    first = reply.line()
+    if first == "cold":
+        reply.close()
         return None
-    return conn, int(reply.split()[1])
-
-
-def _line(conn: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(64)
-        if not chunk:
-            raise RuntimeError("the test zygote closed the connection")
-        data += chunk
-    return data.decode().strip()
+    reply.pid = int(first.split()[1])
+    return reply
 
 
 # ---- the relay: the forked children's `python` --------------------------------------------------------------
@@ -295,14 +314,14 @@ def relay(path: str, python: str) -> None:
         for signum in _RELAYED:
             signal.signal(signum, signal.SIG_DFL)
         os.execv(python, [python, *sys.argv[1:]])
-    conn, pid = asked
+    pid = asked.pid
     child.append(pid)
     # The child has the blocked signals now (it holds one sent to it until it unblocks them): the relay itself
     # takes every signal, to pass it on.
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for signum in pending:
         os.kill(pid, signum)
-    code = int(_line(conn).split()[1])
+    code = asked.exit_status()
     if code < 0:  # the child died by a signal: so does its relay, for its parent to see
         for signum in _RELAYED:
             signal.signal(signum, signal.SIG_DFL)
@@ -375,14 +394,15 @@ def run(command: list[str], *, env: dict[str, str], cwd: str | Path,
                      [null.fileno(), out.fileno(), err.fileno()])
         if asked is None:
             return None
-        conn, pid = asked
-        with conn:
-            conn.settimeout(timeout)
+        try:
+            asked.conn.settimeout(timeout)
             try:
-                code = int(_line(conn).split()[1])
+                code = asked.exit_status()
             except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(asked.pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(command, timeout) from None
+        finally:
+            asked.close()
         outputs = []
         for file in (out, err):
             file.seek(0)
