@@ -77,17 +77,20 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
 def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO,
            timeout: float | None = 600, processes: int = 1) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for a command that runs to its end: it
-    waits for ``processes`` free cores (cores.py), and a ``python -m`` command (or the one run_train.sh runs)
-    is forked from the warm server where that changes nothing the process could see (zygote.py). ``TORCHTITAN_RNG_LAUNCH_RECORD``
-    names a file that gets a line per launch: test, processes, seconds waiting for cores, seconds running."""
+    waits for ``processes`` free cores (cores.py), and a Python command (or the one run_train.sh runs) is
+    forked from the warm server where that changes nothing the process could see (zygote.py).
+    ``TORCHTITAN_RNG_LAUNCH_RECORD`` names a file that gets a line per launch: test, worker, processes,
+    seconds waiting for cores, seconds running, warm or not, exit status."""
     env = run_env() if env is None else env
     asked = time.monotonic()
     with cores.held(processes):
         started = time.monotonic()
-        if env.get("PYTHON") == sys.executable:  # run_train.sh's interpreter: the warm stand-in, if any
-            env = {**env, "PYTHON": zygote.relay_for(env) or sys.executable}
+        relay = None
+        if command[0] != sys.executable and env.get("PYTHON") == sys.executable:  # run_train.sh's interpreter
+            relay = zygote.relay_for(env)
+            env = {**env, "PYTHON": relay or sys.executable}
         proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout)
-        warm = proc is not None or env.get("PYTHON", sys.executable) != sys.executable
+        warm = proc is not None or relay is not None
         if proc is None:
             proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
         ended = time.monotonic()
