@@ -62,7 +62,6 @@ from torch.utils.data import Dataset, get_worker_info
 from torchtitan_rng.fault_points import ENV_VAR, HOLD, HOLD_DIR_ENV, POINTS, hold, parse  # noqa: F401 (re-exported)
 
 LOSS_SPIKE_FACTOR = 1000.0
-_parse = parse
 
 
 class FaultInjector:
@@ -72,7 +71,7 @@ class FaultInjector:
     def __init__(self, spec: str, rank: int) -> None:
         self.rank = rank
         self._armed = {key: [f for f in faults if f.rank is None or f.rank == rank]
-                       for key, faults in _parse(spec).items()}
+                       for key, faults in parse(spec).items()}
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector | None:
