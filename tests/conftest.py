@@ -40,8 +40,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _uses_module_runs(item: pytest.Item) -> bool:
     fixtures = getattr(item, "_fixtureinfo", None)
-    return fixtures is not None and any(
-        definition.scope == "module" for definitions in fixtures.name2fixturedefs.values() for definition in definitions)
+    return fixtures is not None and any(definition.scope == "module"
+                                        for definitions in fixtures.name2fixturedefs.values()
+                                        for definition in definitions)
 
 
 @pytest.fixture(scope="session")
