@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 
 from tests.support.checks import assert_same_tensors
+from tests.support.integrations import PRELOAD
 from tests.support.launch import REPO, launch, run_env, together
 
 SCRIPT = "tests.support.integrations.hf_run"
@@ -32,7 +33,8 @@ TWICE = (*COMMON, "--save-steps", "1000", "--jit", "--max-steps", str(STOP))
 def _run(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    return launch([*launcher, SCRIPT, "--out", str(out), *args], timeout=240, processes=nproc)
+    return launch([*launcher, SCRIPT, "--out", str(out), *args], timeout=240, processes=nproc,
+                  preload=PRELOAD[SCRIPT])
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.integrations import PRELOAD
 from tests.support.launch import launch, together
 
 
@@ -17,8 +18,9 @@ def _run(script: str, out: Path, *args: str, nproc: int = 1) -> None:
     """Runs tests/support/integrations/``script``.py as a module, on one process or under torchrun."""
     launcher = [sys.executable, "-m"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m"]
-    proc = launch([*launcher, f"tests.support.integrations.{script}", "--out", str(out), *args], timeout=300,
-                  processes=nproc)
+    module = f"tests.support.integrations.{script}"
+    proc = launch([*launcher, module, "--out", str(out), *args], timeout=300, processes=nproc,
+                  preload=PRELOAD[module])
     assert proc.returncode == 0, f"{script} {args} exited {proc.returncode}\n{proc.stderr[-4000:]}"
 
 

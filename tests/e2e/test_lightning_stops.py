@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.support.checks import assert_same_tensors
+from tests.support.integrations import PRELOAD
 from tests.support.launch import REPO, launch, run_env, together
 
 SCRIPT = "tests.support.integrations.lightning_run"
@@ -42,7 +43,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(out: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return launch(_command(out, *args, nproc=nproc), env=_env(), timeout=TIMEOUT, processes=nproc)
+    return launch(_command(out, *args, nproc=nproc), env=_env(), timeout=TIMEOUT, processes=nproc,
+                  preload=PRELOAD[SCRIPT])
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -43,23 +43,29 @@ def assert_resume_exact_with_control(tmp_path: Path, overrides: tuple[str, ...],
     assert float_bits(read_loss_log(control)[step]["loss"]) != float_bits(uninterrupted[step]["loss"])
 
 
+# A feature whose code path test_all_together also runs (llama: compiled, 2 processes; flux: compiled, 1
+# process) is proved alone in the slow tier, which CI runs: there it names the feature when the cases
+# together fail.
+ALSO_TOGETHER = pytest.mark.slow
+
+
 @pytest.mark.parametrize("overrides", [
     # 2 micro-batches per step, with workers and a snapshot every 2 steps (4 micro-batches): the checkpoint
     # at step 3 falls between two snapshots, so the resume replays micro-batches in the restored workers.
     pytest.param(("--training.global_batch_size", "16", "--data.num_workers", "2",
                   "--data.snapshot_every_n_steps", "2"), id="accumulation-workers"),
     # Full AC is in test_several_resumes_in_a_row; per-layer selective AC is the same mechanism.
-    pytest.param(("--activation_checkpoint.mode", "selective"), id="ac-selective-op"),
-    pytest.param(("--training.mixed_precision_param", "bfloat16"), id="bf16-autocast"),
-    pytest.param(("--compile.enable",), id="compile"),
+    pytest.param(("--activation_checkpoint.mode", "selective"), id="ac-selective-op", marks=ALSO_TOGETHER),
+    pytest.param(("--training.mixed_precision_param", "bfloat16"), id="bf16-autocast", marks=ALSO_TOGETHER),
+    pytest.param(("--compile.enable",), id="compile", marks=ALSO_TOGETHER),
 ])
 def test_llama_feature_alone_one_process(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     assert_resume_exact_with_control(tmp_path, overrides)
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param(("--training.global_batch_size", "32"), id="accumulation"),
-    pytest.param(("--training.mixed_precision_param", "bfloat16"), id="bf16-fsdp-policy"),
+    pytest.param(("--training.global_batch_size", "32"), id="accumulation", marks=ALSO_TOGETHER),
+    pytest.param(("--training.mixed_precision_param", "bfloat16"), id="bf16-fsdp-policy", marks=ALSO_TOGETHER),
 ])
 def test_llama_feature_alone_two_processes(tmp_path: Path, overrides: tuple[str, ...]) -> None:
     assert_resume_exact_with_control(tmp_path, overrides, nproc=2)

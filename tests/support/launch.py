@@ -74,11 +74,13 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
     return proc
 
 
-def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO,
-           timeout: float | None = 600, processes: int = 1) -> subprocess.CompletedProcess:
+def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float | None = 600,
+           processes: int = 1, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for a command that runs to its end: it
     waits for ``processes`` free cores (cores.py), and a Python command (or the one run_train.sh runs) is
-    forked from the warm server where that changes nothing the process could see (zygote.py).
+    forked from the warm server where that changes nothing the process could see (zygote.py); ``preload``
+    names what that server imports beyond torch and this package (an integration's framework, or a script
+    whose module runs its imports: ``.../torchtitan_run.py``), for the command and the processes it starts.
     ``TORCHTITAN_RNG_LAUNCH_RECORD`` names a file that gets a line per launch: test, worker, processes,
     seconds waiting for cores, seconds running, warm or not, exit status."""
     env = run_env() if env is None else env
@@ -87,9 +89,9 @@ def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path =
         started = time.monotonic()
         relay = None
         if command[0] != sys.executable and env.get("PYTHON") == sys.executable:  # run_train.sh's interpreter
-            relay = zygote.relay_for(env)
+            relay = zygote.relay_for(env, preload)
             env = {**env, "PYTHON": relay or sys.executable}
-        proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout)
+        proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout, preload=preload)
         warm = proc is not None or relay is not None
         if proc is None:
             proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 
 def main(path: str) -> None:
-    launches = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    launches = [line for line in lines if "run_s" in line]
+    forked = [line for line in lines if "cpu_s" in line]  # zygote.py: each forked process, ranks included
     kinds: dict[tuple[int, bool], list[float]] = defaultdict(list)
     files: dict[str, list[float]] = defaultdict(list)
     for launch in launches:
@@ -25,6 +27,13 @@ def main(path: str) -> None:
     print("files by seconds of launches:")
     for name, seconds in sorted(files.items(), key=lambda item: -sum(item[1]))[:20]:
         print(f"  {sum(seconds):6.0f} s  {len(seconds):3} launches  {name}")
+    cpu: dict[str, list[float]] = defaultdict(list)
+    for process in forked:
+        cpu[process["test"].split("::")[0]].append(process["cpu_s"])
+    print(f"CPU seconds of the {len(forked)} forked processes (ranks included), "
+          f"{sum(map(sum, cpu.values())):.0f} s in all; by file:")
+    for name, seconds in sorted(cpu.items(), key=lambda item: -sum(item[1]))[:20]:
+        print(f"  {sum(seconds):6.0f} s  {len(seconds):3} processes  {name}")
 
 
 if __name__ == "__main__":

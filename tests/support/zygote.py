@@ -19,7 +19,7 @@ interpreter (``exec``). So the processes a forked command starts (torchrun's ran
 ``verify_resume`` and ``replay``, ``run_train.sh`` given ``PYTHON=relay``) are warm too. A relay dies with
 its parent (torchrun's SIGKILL, a killed launcher), and the server then kills its child.
 
-    python -m tests.support.zygote SOCKET   # the server; it answers until its standard input closes
+    python -m tests.support.zygote SOCKET [PRELOAD ...]   # the server; it answers until its standard input closes
 """
 
 from __future__ import annotations
@@ -58,13 +58,21 @@ RUN_TIME_PREFIXES = ("TORCHTITAN_RNG_", "AWS_")
 START_UP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "CUDA_", "TORCHINDUCTOR_",
             "TORCHDYNAMO_", "TORCH_LOGS", "TORCH_COMPILE", "TORCHTITAN_RNG_DEVICE")
 _HEADER = struct.Struct("!I")
+RECORD = "TORCHTITAN_RNG_LAUNCH_RECORD"  # tests/support/launch.py's record, which forked processes join
 _RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _startup_differs(env: dict[str, str], own: dict[str, str]) -> bool:
+def _run_time(key: str) -> bool:
+    """Whether a variable is read only when a run uses it (it may differ from the server's)."""
+    return key in RUN_TIME or (key.startswith(RUN_TIME_PREFIXES) and not key.startswith(START_UP))
+
+
+def _startup_differs(env: dict[str, str], own: dict[str, str], imported: dict[str, str]) -> bool:
+    """Whether ``env`` differs from the server's start-up environment ``own`` in what start-up reads. What the
+    imports add (``imported``) may be absent or equal: a child of a forked run inherits it, as a child of a
+    new interpreter would (torchrun's ranks: the launcher's torch set TORCHINDUCTOR_CACHE_DIR)."""
     for key in own.keys() | env.keys():
-        if env.get(key) == own.get(key) or key in RUN_TIME or (
-                key.startswith(RUN_TIME_PREFIXES) and not key.startswith(START_UP)):
+        if env.get(key) == own.get(key) or _run_time(key) or (key in imported and env[key] == imported[key]):
             continue
         if key in own or key.startswith(START_UP):
             return True  # changed, removed, or a start-up variable added
@@ -73,9 +81,12 @@ def _startup_differs(env: dict[str, str], own: dict[str, str]) -> bool:
 
 # ---- the server ---------------------------------------------------------------------------------------------
 
-def _serve(path: str) -> None:
+def _serve(path: str, preload: list[str]) -> None:
     own = dict(os.environ)  # as start-up saw it
-    for name in PRELOAD:
+    for name in (*PRELOAD, *preload):
+        if name.endswith(".py"):  # a script's module, imported as its run finds it: from the script's folder
+            sys.path.insert(0, os.path.dirname(name))
+            name = Path(name).stem
         importlib.import_module(name)
     # What the imports put in the environment (torch: TORCHINDUCTOR_CACHE_DIR), as they would in a new process.
     imported = {key: value for key, value in os.environ.items() if key not in own}
@@ -90,6 +101,7 @@ def _serve(path: str) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection of the caller waiting for it
+    accounts: dict[int, dict[str, str]] = {}  # child pid -> where its CPU time is recorded (_account)
     gc.freeze()  # the preloaded heap: children neither scan it nor copy its pages by touching it
     print(relay, flush=True)
     while True:
@@ -104,7 +116,7 @@ def _serve(path: str) -> None:
                 waiting.pop(pid).close()
         if wake_read in readable:
             os.read(wake_read, 4096)
-            _reap(waiting)
+            _reap(waiting, accounts)
         if listener in readable:
             conn, _ = listener.accept()
             try:
@@ -113,7 +125,7 @@ def _serve(path: str) -> None:
                 print(f"zygote: dropped a request ({err})", file=sys.stderr, flush=True)
                 conn.close()
                 continue
-            if _startup_differs(request["env"], own) or _sources() != sources:
+            if _startup_differs(request["env"], own, imported) or _sources() != sources:
                 # Another start-up environment, or this checkout's code edited since the server imported it
                 # (a fork would run the old modules beside the new ones): a new interpreter.
                 for fd in fds:
@@ -134,7 +146,10 @@ def _serve(path: str) -> None:
                 os.close(fd)
             conn.sendall(f"pid {pid}\n".encode())
             waiting[pid] = conn
-            _reap(waiting)  # a child may have ended before it was registered
+            if RECORD in request["env"]:
+                accounts[pid] = {"record": request["env"][RECORD], "program": request.get("module") or
+                                 Path(request["script"]).name, "test": request["env"].get("PYTEST_CURRENT_TEST", "")}
+            _reap(waiting, accounts)  # a child may have ended before it was registered
 
 
 def _sources() -> dict[str, float]:
@@ -159,15 +174,17 @@ def _write_relay(path: str) -> str:
     return relay
 
 
-def _reap(waiting: dict[int, socket.socket]) -> None:
+def _reap(waiting: dict[int, socket.socket], accounts: dict[int, dict[str, str]]) -> None:
     """Collect every ended child (those killed after their caller left too) and tell their callers."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:  # no child at all
             return
         if pid == 0:
             return
+        if pid in accounts:
+            _account(accounts.pop(pid), usage.ru_utime + usage.ru_stime)
         conn = waiting.pop(pid, None)
         if conn is not None:
             try:
@@ -175,6 +192,14 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
             except OSError:
                 pass  # the caller gave up waiting (a timeout): nothing to tell
             conn.close()
+
+
+def _account(account: dict[str, str], cpu_s: float) -> None:
+    """One line in the launch record for a forked process (each rank too): the CPU seconds it used, which load
+    on the machine does not inflate as it does wall seconds."""
+    line = {"test": account["test"].rsplit(" (", 1)[0], "program": account["program"], "cpu_s": round(cpu_s, 3)}
+    with open(account["record"], "a", encoding="utf-8") as file:
+        file.write(json.dumps(line) + "\n")
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -346,27 +371,32 @@ def _cloexec(fd: int) -> bool:
 # ---- the test process's side --------------------------------------------------------------------------------
 
 class _Server:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...]) -> None:
         self.folder = tempfile.mkdtemp(prefix="torchtitan_rng_zygote_")
         self.path = os.path.join(self.folder, "socket")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", self.path], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", self.path, *preload], cwd=REPO,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.relay = self.proc.stdout.readline().strip()
         if not self.relay:
             raise RuntimeError(f"the test zygote did not start (exit {self.proc.wait()})")
 
 
-_servers: dict[str, _Server] = {}
+_servers: dict[tuple, _Server] = {}
 _lock = threading.Lock()
 
 
-def _server(env: dict[str, str]) -> _Server:
-    """This test process's server for ``env``'s thread count, started on first use."""
-    threads = env.get("OMP_NUM_THREADS", "")
+def _server(env: dict[str, str], preload: tuple[str, ...]) -> _Server:
+    """This test process's server for ``env``'s thread count, started on first use; with ``preload`` (modules
+    or scripts a family of runs imports: an integration's framework), one per start-up environment, since
+    what those modules read at import is fixed in the server."""
+    if preload:
+        key: tuple = (preload, *sorted(item for item in env.items() if not _run_time(item[0])))
+    else:
+        key = ((), env.get("OMP_NUM_THREADS", ""))
     with _lock:
-        if threads not in _servers:
-            _servers[threads] = _Server(env)
-        return _servers[threads]
+        if key not in _servers:
+            _servers[key] = _Server(env, preload)
+        return _servers[key]
 
 
 def enabled() -> bool:
@@ -376,21 +406,21 @@ def enabled() -> bool:
     return not torch.accelerator.is_available()  # no driver may be initialised before a fork
 
 
-def relay_for(env: dict[str, str]) -> str | None:
+def relay_for(env: dict[str, str], preload: tuple[str, ...] = ()) -> str | None:
     """The stand-in Python that forks the commands run with ``env`` (None: the server is off)."""
-    return _server(env).relay if enabled() else None
+    return _server(env, preload).relay if enabled() else None
 
 
-def run(command: list[str], *, env: dict[str, str], cwd: str | Path,
-        timeout: float | None = None) -> subprocess.CompletedProcess | None:
-    """``subprocess.run(command, capture_output=True, text=True, ...)`` forked by the server; None when the
-    command must run as a new interpreter (neither a module nor a script, another start-up environment, the
-    server off)."""
+def run(command: list[str], *, env: dict[str, str], cwd: str | Path, timeout: float | None = None,
+        preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess | None:
+    """``subprocess.run(command, capture_output=True, text=True, ...)`` forked by the server (with ``preload``
+    imported too); None when the command must run as a new interpreter (neither a module nor a script, another
+    start-up environment, the server off)."""
     parsed = _parse(command[1:]) if command[0] == sys.executable else None
     if parsed is None or not enabled():
         return None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-        asked = _ask(_server(env).path, {**parsed, "env": env, "cwd": str(cwd)},
+        asked = _ask(_server(env, preload).path, {**parsed, "env": env, "cwd": str(cwd)},
                      [null.fileno(), out.fileno(), err.fileno()])
         if asked is None:
             return None
@@ -411,4 +441,4 @@ def run(command: list[str], *, env: dict[str, str], cwd: str | Path,
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], sys.argv[2:])
