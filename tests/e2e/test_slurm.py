@@ -4,7 +4,7 @@ job. Each job must end COMPLETED by itself (stopped, requeued, resumed), with a 
 never-stopped run's (``compare_losses`` exits 0).
 
     job        how it is stopped                                        when
-    time       ``--time=1 --signal=B:USR1@30``: SLURM's USR1 to the     at step 3 (held there until the signal
+    time       ``--time=2 --signal=B:USR1@20``: SLURM's USR1 to the     at step 3 (held there until the signal
                batch shell, passed on by its trap                       reached the rank)
     usr1       ``scancel --signal=USR1``: to the job's step             at step 3
     requeue    ``scontrol requeue``: SIGTERM to the job, then requeued  at step 3
@@ -14,6 +14,8 @@ never-stopped run's (``compare_losses`` exits 0).
                                                                         it imported torch
     control    as usr1, resumed with ``--checkpoint.restore_rng false``  at step 3: its log must differ
                (a flag after the script's name, passed to the run)
+    nodes2     as usr1, a job of two nodes (a rank on each)             at step 3 (saved at 4: two ranks agree
+                                                                        a step later)
 
 Stops are deterministic: the run holds at the point (fault injection's hold files) until the stop's signal
 reached the held process (its ``signalled-`` file), then goes on. Every job runs side by side with the others;
@@ -32,7 +34,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import slurm
-from tests.support.launch import REPO, compare, run_env, together, train
+from tests.support.launch import REPO, run_env, together, train
+from torchtitan_rng import compare_losses
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV, HOLD_DIR_ENV
 from torchtitan_rng.fault_points import SIGNALLED
@@ -73,11 +76,15 @@ def _requeue(job_id: str) -> None:
 
 STEP3 = ("before_step:3", "before_step-3-rank0")
 JOBS = (
-    Job("time", ("--time=1", "--signal=B:USR1@30"), *STEP3, act=lambda job_id: None),  # SLURM sends it
+    # SLURM sends it, up to 60 s before the 20 s asked for: from 40 s after a start on, which leaves the last start
+    # the time to finish (else every start is stopped before its first step, and the job ends FAILED).
+    Job("time", ("--time=2", "--signal=B:USR1@20"), *STEP3, act=lambda job_id: None),
     Job("usr1", (), *STEP3, act=_scancel("--signal=USR1")),
     Job("requeue", (), *STEP3, act=_requeue),
     Job("first", (), "launcher_start:0", "launcher_start-0-launcher", act=_scancel("--batch", "--signal=USR1")),
     Job("control", (), *STEP3, act=_scancel("--signal=USR1"), run_flags=("--checkpoint.restore_rng", "false")),
+    # Two nodes (two slurmds on this machine), a launcher and a rank on each: the rendezvous, NODE_RANK.
+    Job("nodes2", ("--partition=pair", "--nodes=2"), *STEP3, act=_scancel("--signal=USR1")),
 )
 
 
@@ -165,14 +172,21 @@ def jobs(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict:
                               job_env=run_env({"DUMP": ""}), cwd=REPO)
         return {"fields": slurm.wait_until_ended(job_id, TIMEOUT), "out": (root / "no_dump.out").read_text()}
 
-    reference = root / "reference"
+    reference, reference_two = root / "reference", root / "reference_two"
     started = time.monotonic()
     results = together(lambda: train(reference, "--checkpoint.enable", config=FLUX, via_run_train=True),
+                       lambda: train(reference_two, "--checkpoint.enable", nproc=2, config=FLUX, via_run_train=True),
                        preempted, no_dump, *(other(job) for job in JOBS))
-    by_name = {result["fields"]["JobName"]: result for result in (results[1], *results[3:])}
+    by_name = {result["fields"]["JobName"]: result for result in (results[2], *results[4:])}
     print(f"slurm jobs: {time.monotonic() - started:.1f} s in all; "
           + ", ".join(f"{name} {result['seconds']:.1f} s" for name, result in by_name.items()))
-    return {"reference": reference, "no_dump": results[2], **by_name}
+    return {"reference": reference, "reference_two": reference_two, "no_dump": results[3], **by_name}
+
+
+def _compare(reference: Path, dump: Path) -> int:
+    """``python -m torchtitan_rng.compare_losses REFERENCE DUMP``'s exit status (its main, in this process: a
+    comparison of two files needs no core of its own)."""
+    return compare_losses.main([str(reference), str(dump)])
 
 
 def _assert_completed_after_a_restart(result: dict) -> None:
@@ -188,7 +202,7 @@ def test_a_job_stopped_at_a_step_completes_by_itself_exactly(jobs: dict, name: s
     _assert_completed_after_a_restart(result)
     assert 3 in complete_steps(result["dump"] / "checkpoint")  # saved where the stop came (not a periodic step)
     assert "resumed from" in result["out"]
-    assert compare(jobs["reference"], result["dump"]).returncode == 0
+    assert _compare(jobs["reference"], result["dump"]) == 0
 
 
 def test_the_signal_passes_through_the_batch_shells_trap(jobs: dict) -> None:
@@ -204,14 +218,24 @@ def test_a_signal_at_the_jobs_first_moment_requeues_without_a_checkpoint(jobs: d
     result = jobs["first"]
     _assert_completed_after_a_restart(result)
     assert "SIGUSR1: stopped before training started, nothing new to save" in result["out"]
-    assert compare(jobs["reference"], result["dump"]).returncode == 0
+    assert _compare(jobs["reference"], result["dump"]) == 0
 
 
-def test_control_a_resume_without_the_random_streams_is_caught(jobs: dict) -> None:
+def test_control_a_resume_without_the_random_streams_is_caught(jobs: dict, capsys: pytest.CaptureFixture) -> None:
     result = jobs["control"]
     _assert_completed_after_a_restart(result)
-    caught = compare(jobs["reference"], result["dump"])
-    assert caught.returncode == 1 and "first differing step 4" in caught.stdout, caught.stdout
+    capsys.readouterr()
+    assert _compare(jobs["reference"], result["dump"]) == 1
+    assert "first differing step 4" in capsys.readouterr().out
+
+
+def test_a_two_node_job_completes_by_itself_exactly(jobs: dict) -> None:
+    result = jobs["nodes2"]
+    _assert_completed_after_a_restart(result)
+    assert result["fields"]["NumNodes"] == "2", result["fields"]
+    assert "2 process(es)" in result["out"] and "resumed from" in result["out"]
+    assert 4 in complete_steps(result["dump"] / "checkpoint")  # the step the two ranks agreed on
+    assert _compare(jobs["reference_two"], result["dump"]) == 0
 
 
 def test_no_dump_folder_fails_in_one_line(jobs: dict) -> None:

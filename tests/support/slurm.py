@@ -1,14 +1,15 @@
-"""A real one-node SLURM for the tests (Debian's ``slurm-wlm`` and ``munge``; root): munged, slurmctld and slurmd
-started on this machine, with three partitions:
+"""A real SLURM on this machine for the tests (Debian's ``slurm-wlm`` and ``munge``; root): munged, slurmctld
+and a slurmd for the node named after this machine's hostname, plus a second slurmd on the same machine (node
+``HOST-2``) so that a job can span two nodes. Four partitions:
 
-    partition  PriorityTier  PreemptMode  what for
-    batch      1             OFF          the default: jobs that nothing preempts
-    spot       1             REQUEUE      jobs that ``urgent`` preempts (SIGTERM to the step, requeued after GraceTime)
-    urgent     2             OFF          the preempting job (``--exclusive``: it needs every spot job gone)
+    partition  nodes        PriorityTier  PreemptMode  what for
+    batch      HOST         1             OFF          the default: jobs that nothing preempts
+    spot       HOST         1             REQUEUE      jobs that ``urgent`` preempts (SIGTERM to the step, requeued
+                                                       after GraceTime)
+    urgent     HOST         2             OFF          the preempting job (``--exclusive``: every spot job must go)
+    pair       HOST,HOST-2  1             OFF          jobs of two nodes
 
-``batch`` and ``spot`` jobs share the node's CPUs (``OverSubscribe=FORCE``), so that tiny jobs run side by side
-on a machine of a few cores.
-
+Jobs share the CPUs (``OverSubscribe=FORCE``), so that tiny jobs run side by side on a machine of a few cores.
 ``AuthInfo=cred_expire`` is lowered to the least SLURM accepts: a requeued job may start again only once the
 credential of its last start expired (``Reason=BeginTime``), so it sets the requeue delay.
 
@@ -34,14 +35,19 @@ CONF = ROOT / "slurm.conf"
 CRED_EXPIRE = 5  # seconds; SLURM refuses less (slurmctld: "AuthInfo=cred_expire=N invalid")
 GRACE_TIME = 60  # seconds between the preemption's SIGTERM and its SIGKILL
 PACKAGES = ("slurm-wlm", "munge")
-DAEMONS = ("munged", "slurmctld", "slurmd")
+SLURMD_PORT = 16818  # the second node's slurmd: the next port
 
 
 def _pid_file(daemon: str) -> Path:
     return ROOT / f"{daemon}.pid"
 
 
+def nodes(host: str) -> tuple[str, str]:
+    return host, f"{host}-2"
+
+
 def config(host: str, cpus: int) -> str:
+    first, second = nodes(host)
     return f"""\
 ClusterName=ttrng
 SlurmctldHost={host}
@@ -51,13 +57,12 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={ROOT}/munge.socket,cred_expire={CRED_EXPIRE}
 StateSaveLocation={ROOT}/ctld
-SlurmdSpoolDir={ROOT}/d
+SlurmdSpoolDir={ROOT}/d-%n
 SlurmctldPidFile={_pid_file("slurmctld")}
-SlurmdPidFile={_pid_file("slurmd")}
+SlurmdPidFile={ROOT}/slurmd-%n.pid
 SlurmctldLogFile={ROOT}/slurmctld.log
-SlurmdLogFile={ROOT}/slurmd.log
+SlurmdLogFile={ROOT}/slurmd-%n.log
 SlurmctldPort=16817
-SlurmdPort=16818
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -75,11 +80,13 @@ ReturnToService=2
 MailProg=/bin/true
 MinJobAge=3600
 KillWait=30
-NodeName={host} CPUs={cpus} State=UNKNOWN
-""" + "".join(f"PartitionName={name} Nodes={host} MaxTime=INFINITE State=UP {options}\n" for name, options in (
-        ("batch", "Default=YES PriorityTier=1 PreemptMode=OFF OverSubscribe=FORCE:8"),
-        ("spot", f"PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME} OverSubscribe=FORCE:8"),
-        ("urgent", "PriorityTier=2 PreemptMode=OFF"),
+NodeName={first} NodeHostname={host} Port={SLURMD_PORT} CPUs={cpus} State=UNKNOWN
+NodeName={second} NodeHostname={host} NodeAddr={host} Port={SLURMD_PORT + 1} CPUs={cpus} State=UNKNOWN
+""" + "".join(f"PartitionName={name} MaxTime=INFINITE State=UP {options}\n" for name, options in (
+        ("batch", f"Nodes={first} Default=YES PriorityTier=1 PreemptMode=OFF OverSubscribe=FORCE:8"),
+        ("spot", f"Nodes={first} PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_TIME} OverSubscribe=FORCE:8"),
+        ("urgent", f"Nodes={first} PriorityTier=2 PreemptMode=OFF"),
+        ("pair", f"Nodes={first},{second} PriorityTier=1 PreemptMode=OFF OverSubscribe=FORCE:8"),
     ))
 
 
@@ -100,18 +107,18 @@ def _answers() -> bool:
     return ping.returncode == 0 and "UP" in ping.stdout
 
 
-def _node_idle() -> bool:
+def _nodes_up() -> bool:
     show = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, env=env(), timeout=30)
-    state = re.search(r"State=(\S+)", show.stdout)
-    return show.returncode == 0 and state is not None and not re.search(r"DOWN|DRAIN|NOT_RESPONDING|UNKNOWN|FAIL",
-                                                                         state.group(1))
+    states = re.findall(r"State=(\S+)", show.stdout)
+    return (show.returncode == 0 and len(states) == 2
+            and not any(re.search(r"DOWN|DRAIN|NOT_RESPONDING|UNKNOWN|FAIL", state) for state in states))
 
 
 def _wait(what: str, ready, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
-            logs = "".join((ROOT / f"{d}.log").read_text()[-2000:] for d in DAEMONS if (ROOT / f"{d}.log").exists())
+            logs = "".join(log.read_text()[-2000:] for log in sorted(ROOT.glob("*.log")))
             raise RuntimeError(f"SLURM: {what} not ready within {timeout} s\n{logs}")
         time.sleep(0.2)  # polling the daemons' state, not a synchronisation delay
 
@@ -141,10 +148,10 @@ def start() -> Slurm:
     host, cpus = socket.gethostname(), os.cpu_count() or 1
     text = config(host, cpus)
     if CONF.exists() and CONF.read_text() == text and _answers():
-        _wait("the node", _node_idle)
+        _wait("the nodes", _nodes_up)
         return Slurm(host, cpus, started=False)
     stop()
-    for folder in (ROOT, ROOT / "ctld", ROOT / "d"):
+    for folder in (ROOT, ROOT / "ctld", *(ROOT / f"d-{node}" for node in nodes(host))):
         folder.mkdir(parents=True, exist_ok=True)
     CONF.write_text(text)
     munge_key = Path("/etc/munge/munge.key")
@@ -160,16 +167,16 @@ def start() -> Slurm:
                     "--seed-file", str(munge_state / "seed")], check=True)
     daemon_env = env()
     subprocess.run(["slurmctld", "-f", str(CONF)], check=True, env=daemon_env)
-    subprocess.run(["slurmd", "-f", str(CONF)], check=True, env=daemon_env)
+    for node in nodes(host):
+        subprocess.run(["slurmd", "-f", str(CONF), "-N", node], check=True, env=daemon_env)
     _wait("slurmctld", _answers)
-    _wait("the node", _node_idle)
+    _wait("the nodes", _nodes_up)
     return Slurm(host, cpus, started=True)
 
 
 def stop() -> None:
-    """End the daemons this module started (their pid files), slurmd first."""
-    for daemon in ("slurmd", "slurmctld", "munged"):
-        pid_file = _pid_file(daemon)
+    """End the daemons this module started (their pid files), the slurmds first."""
+    for pid_file in [*sorted(ROOT.glob("slurmd-*.pid")), _pid_file("slurmctld"), _pid_file("munged")]:
         if not pid_file.exists():
             continue
         if _alive(pid_file):
@@ -185,7 +192,7 @@ def main(argv: list[str]) -> int:
     action = argv[0] if argv else "status"
     if action == "start":
         slurm = start()
-        print(f"SLURM up: node {slurm.host}, {slurm.cpus} CPUs; SLURM_CONF={slurm.conf}")
+        print(f"SLURM up: nodes {', '.join(nodes(slurm.host))} ({slurm.cpus} CPUs each); SLURM_CONF={slurm.conf}")
     elif action == "stop":
         stop()
     else:
