@@ -168,16 +168,16 @@ def received() -> str | None:
 
 
 STARTUP = "start-up"  # the marker's second word: the rank stopped before its first step
+FINISHED = "finished"  # or: the rank saved the last step (a signal then changes nothing)
 
 
-def mark_clean_exit(before_training: bool = False) -> None:
-    """Tell the launcher (when there is one) that this rank exits 0; ``before_training``: stopped by a signal
-    before its first step, with nothing to save."""
+def mark_clean_exit(state: str = "") -> None:
+    """Tell the launcher (when there is one) that this rank exits 0; ``state``: STARTUP (stopped by a signal
+    before its first step, with nothing to save), FINISHED (the last step saved) or nothing (stopped between)."""
     exit_dir = os.environ.get(EXIT_DIR_ENV)
     if exit_dir:
         local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        text = f"{local_world} {STARTUP}" if before_training else local_world
-        (Path(exit_dir) / f"rank_{os.environ.get('LOCAL_RANK', '0')}.ok").write_text(text)
+        (Path(exit_dir) / f"rank_{os.environ.get('LOCAL_RANK', '0')}.ok").write_text(f"{local_world} {state}".strip())
 
 
 def clean_exits(exit_dir: Path) -> tuple[int, int]:
@@ -187,7 +187,7 @@ def clean_exits(exit_dir: Path) -> tuple[int, int]:
     return len(markers), expected
 
 
-def stopped_before_training(exit_dir: Path) -> bool:
-    """Whether every rank that left a marker stopped before its first step (nothing was saved)."""
+def every_rank_says(exit_dir: Path, state: str) -> bool:
+    """Whether every rank that left a marker exited in ``state`` (STARTUP, FINISHED)."""
     markers = list(exit_dir.glob("rank_*.ok"))
-    return bool(markers) and all(marker.read_text().split()[1:] == [STARTUP] for marker in markers)
+    return bool(markers) and all(marker.read_text().split()[1:] == [state] for marker in markers)

@@ -70,6 +70,7 @@ class Trainer:
     def _build(self) -> None:
         config = self.config
         self.stopped_before_training = False  # a signal during start-up: nothing was trained or saved
+        self.finished = False  # the last step is saved (now or by an earlier run)
         hold_at("before_process_group", int(os.environ.get("RANK", "0")))
         self.world = world = init_distributed(config.parallelism)
         self._closing.callback(lambda: teardown(clean=not self._failed))
@@ -141,6 +142,7 @@ class Trainer:
         if train_state.step >= last_step:
             self._log(f"nothing to do: the checkpoint is at step {train_state.step}, training.steps is {last_step}")
             self._failed = False
+            self.finished = True
             return
 
         data_iter = iter(self.parts.dataloader)
@@ -203,10 +205,12 @@ class Trainer:
 
         self.checkpointer.wait()  # a background save still being written (async_mode) is finished and renamed
         self._failed = False
+        self.finished = train_state.step == last_step
         if stopped_at is not None:
+            then = ("it was the last: training is finished" if self.finished
+                    else preflight.how_to_resume(config.checkpoint))
             self._log(f"stopped by {signals.received() or 'a signal to another rank'} at step {stopped_at}: "
-                      f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; "
-                      f"{preflight.how_to_resume(config.checkpoint)}")
+                      f"checkpoint {self.checkpointer.folder / f'step-{stopped_at}'} saved; {then}")
 
     def _step(self, step: int, batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
         """One optimizer step; returns its loss-log record. A skipped step (training.skip_steps, skips.py) loads,
@@ -268,5 +272,6 @@ def run(config: JobConfig) -> int:
             trainer.close()
     except TorchtitanRngError as err:
         return report(err, as_flags)
-    signals.mark_clean_exit(before_training=trainer.stopped_before_training)
+    signals.mark_clean_exit(signals.STARTUP if trainer.stopped_before_training
+                            else signals.FINISHED if trainer.finished else "")
     return 0

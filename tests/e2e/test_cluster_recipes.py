@@ -1,7 +1,6 @@
-"""The recipes of docs/clusters.md, run as written against imitations of each engine's signals and kills:
+"""The recipes of docs/clusters.md, run as written against imitations of each engine's signals and kills (SLURM's
+recipe runs against a real SLURM: test_slurm.py):
 
-* SLURM: the batch script of the docs, with ``srun``/``scontrol`` imitated; USR1 to the batch shell alone
-  (``--signal=B:USR1@...``) checkpoints the run, the script requeues the job, the requeued job finishes.
 * Kubernetes: SIGTERM to the launcher alone (PID 1 with an exec-form entrypoint), then SIGKILL of every
   process while the stop's save is still being written (a grace period shorter than the save): no checkpoint is
   picked that is not complete, and the restarted pod's command resumes exactly.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,7 +23,7 @@ import pytest
 
 from tests.support.checks import assert_every_line_matches
 from tests.support.held import start_held
-from tests.support.launch import EVERY_STEP, REPO, run_env, together, train, wait_for_log_lines
+from tests.support.launch import EVERY_STEP, REPO, run_env, together, wait_for_log_lines
 from torchtitan_rng.checkpoint.integrity import verify_integrity
 from torchtitan_rng.checkpoint.layout import complete_steps, resolve_checkpoint
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
@@ -34,7 +32,6 @@ from torchtitan_rng.launch.run_lock import lock_path
 pytestmark = pytest.mark.slow  # the cluster recipes' job chains (CI runs the slow tier)
 
 LLAMA = REPO / "train_configs" / "llama_debug.toml"
-FLUX = REPO / "train_configs" / "flux_debug.toml"
 # 2 processes, 10 steps on the 20-step curve of the session's uninterrupted 2-process run; saves at 4 and 8.
 TWO = ("--training.steps", "10", "--lr_scheduler.total_steps", "20", "--checkpoint.enable",
        "--checkpoint.interval", "4", *EVERY_STEP)
@@ -45,78 +42,6 @@ def _launcher(dump: Path, *torchrun: str) -> list[str]:
             "--nproc-per-node", "2", *torchrun, "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
             "--module", "torchtitan_rng.train", "--job.config_file", str(LLAMA), "--job.dump_folder", str(dump),
             *TWO]
-
-
-# --- SLURM ---------------------------------------------------------------------------------------------------
-
-STEPS = 20  # flux debug's own
-
-
-def _slurm_script() -> str:
-    text = (REPO / "docs" / "clusters.md").read_text()
-    return re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S).group(1)
-
-
-def _slurm_job(tmp: Path, dump: Path, steps: int) -> subprocess.Popen:
-    """The docs' batch script as SLURM runs it: bash in the job's directory; srun runs its command (one
-    task, this node), scontrol notes what it was asked."""
-    bin_dir = tmp / "bin"
-    if not bin_dir.exists():
-        bin_dir.mkdir()
-        (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
-        (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp / "scontrol.log"}\n')
-        for tool in ("srun", "scontrol"):
-            (bin_dir / tool).chmod(0o755)
-        (tmp / "job.sbatch").write_text(_slurm_script())
-    env = run_env({"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "DUMP": str(dump),
-                   "STEPS": str(steps), "NGPU": "1", "CONFIG_FILE": str(FLUX), "PYTHON": sys.executable})
-    return subprocess.Popen(["bash", str(tmp / "job.sbatch")], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-
-
-def _finished(job: subprocess.Popen) -> subprocess.CompletedProcess:
-    out, err = job.communicate(timeout=300)
-    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
-
-
-def _slurm_jobs(tmp: Path) -> list:
-    """The uninterrupted run and the preempted-then-requeued job, to run beside the other engines' runs."""
-    reference, dump = tmp / "slurm_reference", tmp / "slurm"
-
-    def preempted_then_requeued() -> dict:
-        job = _slurm_job(tmp, dump, steps=STEPS)
-        wait_for_log_lines(dump, 5, job)  # the recipe's run writes its loss log every 5 steps
-        job.send_signal(signal.SIGUSR1)  # the batch shell alone
-        first = _finished(job)
-        after_first = complete_steps(dump / "checkpoint")
-        requeues = (tmp / "scontrol.log").read_text() if (tmp / "scontrol.log").exists() else ""
-        second = _finished(_slurm_job(tmp, dump, steps=STEPS))
-        return {"first": first, "after_first": after_first, "requeues": requeues, "second": second,
-                "requeues_after": (tmp / "scontrol.log").read_text(), "reference": reference, "dump": dump}
-
-    return [lambda: train(reference, config=FLUX, via_run_train=True), preempted_then_requeued]
-
-
-@pytest.fixture(scope="module")
-def slurm(runs: dict) -> dict:
-    return runs["slurm"]
-
-
-def test_slurm_usr1_to_the_batch_shell_checkpoints_and_requeues(slurm: dict) -> None:
-    first = slurm["first"]
-    assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-3000:])
-    assert "SIGUSR1: all 1 local ranks checkpointed and exited 0" in first.stdout
-    stop = slurm["after_first"][-1]
-    assert 5 <= stop < STEPS, slurm["after_first"]
-    assert slurm["requeues"] == "requeue 4242\n"
-
-
-def test_slurm_requeued_job_finishes_and_stops_requeueing(slurm: dict) -> None:
-    second = slurm["second"]
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert complete_steps(slurm["dump"] / "checkpoint")[-1] == STEPS
-    assert slurm["requeues_after"] == "requeue 4242\n"  # finished: not requeued again
-    assert_every_line_matches(slurm["reference"], slurm["dump"])
 
 
 # --- Kubernetes and torchrun restarts (2 processes, against the session's uninterrupted 2-process run) --------
@@ -153,11 +78,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return subprocess.run([*_launcher(dump, "--max-restarts", "1"), *extra], cwd=REPO, capture_output=True,
                               text=True, timeout=300, env=run_env({FAULT_ENV: "before_step:7:1:SIGKILL"}))
 
-    state, restart, control_run, _, slurm_state = together(
-        kubernetes, lambda: crash(restarted), lambda: crash(control, "--checkpoint.restore_rng", "false"),
-        *_slurm_jobs(tmp))
+    state, restart, control_run = together(
+        kubernetes, lambda: crash(restarted), lambda: crash(control, "--checkpoint.restore_rng", "false"))
     return {"k8s": k8s, **state, "restarted": restarted, "restart_run": restart, "control": control,
-            "control_run": control_run, "slurm": slurm_state}
+            "control_run": control_run}
 
 
 @pytest.fixture(scope="module")

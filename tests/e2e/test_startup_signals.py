@@ -3,9 +3,9 @@ nothing new to save and exit 0, and the same command run again continues the run
 
 One 2-process run in one dump folder: first stopped during step 3 (a checkpoint, so that every start-up after it
 resumes: the preflight verifies that checkpoint, the ranks load it), then stopped at each start-up moment below,
-then run to its last step. The moments are fault-injection holds, not delays: the test waits for a hold, sends
-SIGUSR1 to the launcher only, waits until the signal reached the held process (its ``signalled-`` file), then
-lets it go on.
+then run to its last step, signalled just before it. The moments are fault-injection holds, not delays: the test
+waits for a hold, sends SIGUSR1 to the launcher only, waits until the signal reached the held process (its
+``signalled-`` file), then lets it go on.
 
     moment (hold point)                                      process held     ranks started
     launcher_start: first statement, torch not imported      launcher         none
@@ -92,7 +92,10 @@ def stops(tmp_path_factory: pytest.TempPathFactory) -> dict:
         _signal_and_release(job, files)
         results[name] = (job.finish(), _state(dump))
 
-    finish = _start(dump, root / "finish", [])
+    # Run to its last step, signalled before it: the ranks' vote on it would be read a step later, after the
+    # last, so they save the last step and finish; nobody is told to run the command again.
+    finish = _start(dump, root / "finish", ["before_step:20"])
+    _signal_and_release(finish, ["before_step-20-rank0", "before_step-20-rank1"])
     results["finish"] = finish.finish()
     return results
 
@@ -113,6 +116,14 @@ def test_signal_during_startup_exits_0_with_nothing_new(stops: dict, moment: str
         assert "[rank0]" not in proc.stdout, proc.stdout[-3000:]
     else:
         assert "[rank0]:stopped by SIGUSR1 during start-up, before step" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_signal_at_the_last_step_says_that_training_is_finished(stops: dict) -> None:
+    proc = stops["finish"]
+    assert_clean_exit(proc)
+    assert "SIGUSR1: all 2 local ranks saved the last step and exited 0; training is finished" in proc.stdout
+    assert "run the same command again" not in proc.stdout, proc.stdout[-3000:]
+    assert complete_steps(stops["dump"] / "checkpoint")[-1] == 20
 
 
 def test_same_command_again_continues_exactly(stops: dict, llama_uninterrupted_two_processes: Path,

@@ -168,8 +168,12 @@ def _launch(argv: list[str]) -> int:
             return _stopped_before_training(err.sigval.name, config)
         clean, expected = signals.clean_exits(exit_dir)
         if expected and clean == expected:
-            if signals.stopped_before_training(exit_dir):
+            if signals.every_rank_says(exit_dir, signals.STARTUP):
                 return _stopped_before_training(err.sigval.name, config)
+            if signals.every_rank_says(exit_dir, signals.FINISHED):  # too late to stop before the last step
+                print(f"{err.sigval.name}: all {clean} local ranks saved the last step and exited 0; training is "
+                      "finished", flush=True)
+                return 0
             print(f"{err.sigval.name}: all {clean} local ranks checkpointed and exited 0; "
                   f"{preflight.how_to_resume(config.checkpoint)}", flush=True)
             return 0
