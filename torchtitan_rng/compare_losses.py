@@ -8,8 +8,8 @@ differing step otherwise; 2 when a log cannot be read.
 
 When both runs logged with --debug.rng_fingerprint, the first differing step comes with a diagnosis: which
 random stream differed first, on which rank (see divergence.py); when both ran with --debug.tensor_fingerprint,
-which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). ``--plot out.png`` draws both curves and
-their difference (needs matplotlib).
+which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). ``--plot
+out.png`` draws both curves and their difference (needs matplotlib).
 """
 
 from __future__ import annotations
