@@ -93,10 +93,6 @@ class Trainer:
         self._closing.callback(lambda: shutdown_workers(parts.dataloader))
         self.probe = StreamProbe(config.debug, self.plan, rank=world.rank, world_size=world.world_size,
                                  dataloader=parts.dataloader)
-        self.tensor_prints = build_tensor_fingerprints(config.debug, parts.model, parts.optimizer, rank=world.rank,
-                                                       world_size=world.world_size, dump_folder=self.dump_folder)
-        if self.tensor_prints is not None:
-            self._closing.callback(self.tensor_prints.close)
         self.skipped_steps = skipped_steps(config.training)
         self.checkpointer = CheckpointManager(
             resume.folder_of(config),
@@ -117,6 +113,11 @@ class Trainer:
         # The config, not a loaded checkpoint, sets the hyperparameters (the schedule: lr_scheduler.py): the
         # same values unless checkpoint.allow_config_change let one change, and then the new one applies.
         hyperparameters_from_config(parts.optimizer, config.optimizer)
+        # After the resume: a run refused there leaves no fingerprint file behind.
+        self.tensor_prints = build_tensor_fingerprints(config.debug, parts.model, parts.optimizer, rank=world.rank,
+                                                       world_size=world.world_size, dump_folder=self.dump_folder)
+        if self.tensor_prints is not None:
+            self._closing.callback(self.tensor_prints.close)
 
     def _log(self, message: str) -> None:
         if self.world.rank == 0:
