@@ -112,6 +112,11 @@ def _gradient(lines: Lines) -> None:
     _later_too(lines, 3)
 
 
+def _gradient_at_a_plain_step(lines: Lines) -> None:
+    lines[3][0]["grad"]["embed.weight"] += 1
+    _later_too(lines, 4)
+
+
 def _optimizer(lines: Lines) -> None:
     for line in lines[3].values():
         line["param"]["embed.weight"] += 1
@@ -134,6 +139,12 @@ CASES = {
     "gradient": (_gradient, "step 2, rank 1: gradient of `layers.0.attn.qkv.weight` differs before clipping, the "
                             "batches equal, every module's output equal: the backward pass: a non-deterministic "
                             "kernel (try --debug.deterministic), or the gradients' reduction over the ranks"),
+    "gradient_plain_step": (_gradient_at_a_plain_step, "step 3, rank 0: gradient of `embed.weight` differs before "
+                                                      "clipping, the batches and the weights entering the step equal: "
+                                                      "the step's computation: its random draws (dropout: "
+                                                      "--debug.rng_fingerprint tells), a non-deterministic kernel "
+                                                      "(--debug.fingerprint_modules_at_step 3 names the module), or "
+                                                      "the gradients' reduction over the ranks"),
     "optimizer": (_optimizer, "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
                               "update differs (the optimizer: its state or its hyperparameters, e.g. the learning "
                               "rate)"),

@@ -201,11 +201,15 @@ class _Step:
         if found is None:
             return None
         rank, name = found
-        if self.same_ranks:
+        if self.same_ranks and any("modules" in line for line in self.lines_a):
+            seen = "the batches equal, every module's output equal"
             cause = ("the backward pass: a non-deterministic kernel (try --debug.deterministic), or the gradients' "
                      "reduction over the ranks")
-            modules = any("modules" in line for line in self.lines_a)
-            seen = "the batches equal" + (", every module's output equal" if modules else "")
+        elif self.same_ranks:
+            seen = "the batches and the weights entering the step equal"
+            cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
+                     "non-deterministic kernel (--debug.fingerprint_modules_at_step "
+                     f"{self.step} names the module), or the gradients' reduction over the ranks")
         else:
             cause = (f"summed over {len(self.lines_a)} against {len(self.lines_b)} processes: another reduction "
                      "order (and each rank's own random draws), which is expected outside the world-size-invariant "
