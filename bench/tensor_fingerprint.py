@@ -4,7 +4,9 @@ Off, the trainer builds no recorder: the reads per step must be those of benchma
 its batches, gradients, parameters and optimizer state on the device (one reduction per tensor) and reads
 them at the loss log's sync points only: one more read per device per sync point. Step time: the real trainer,
 runs alternating off/on (each round swapping which goes first), the median over rounds of each round's on/off
-ratio of median step times; the reads are counted as benchmark 9 counts them (a run of S and of 3S steps).
+ratio of median step times; the reads are counted as benchmark 9 counts them (a run of S and of 3S steps). On a
+shared machine the step times move more than the option costs, so the hashing a step adds is also timed alone
+(fastest of 5): every gradient, parameter and optimizer-state tensor of the model, after a real step.
 
     python -m bench.tensor_fingerprint [--quick] [--workers N] [--flavor bench] [--rounds R --steps S --log-freq F]
 """
@@ -13,11 +15,21 @@ from __future__ import annotations
 
 import tempfile
 
-from bench.common import median, parser, spread, table
+from bench.common import build_run, config_for, median, parser, spread, table, timed
 from bench.host_syncs import reads_in_run
 from bench.step_time import step_times
+from torchtitan_rng.diagnosis.tensor_fingerprints import tensor_hash
 
 ON = ["--debug.tensor_fingerprint"]
+
+
+def hashing_alone(flavor: str) -> tuple[float, int, int]:
+    """(fastest ms, tensors, bytes): the per-step hashes of the model's gradients, parameters and AdamW state."""
+    run = build_run(config_for("--model.flavor", flavor))
+    tensors = [t for p in run.model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [t for state in run.optimizer.state.values() for t in state.values() if t.dim() > 0]
+    ms = min(timed(lambda: [tensor_hash(t) for t in tensors]) for _ in range(5)) * 1000
+    return ms, len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
 def main() -> None:
@@ -49,6 +61,8 @@ def main() -> None:
                 times[name] += timed[name]
             ratios.append(median(timed["on"]) / median(timed["off"]))
 
+    ms, count, size = hashing_alone(args.flavor)
+
     def device(name: str) -> str:
         return f"{reads[name]['device']:.2f}" if "device" in reads[name] else "n/a (no accelerator)"
 
@@ -60,6 +74,8 @@ def main() -> None:
             f"{min(times[name]):.2f}", spread(times[name]),
             f"**{median(ratios):.3f}** (rounds {min(ratios):.3f}..{max(ratios):.3f})" if name == "on" else ""]
            for name in ("off", "on")])
+    table(f"Benchmark 14: the hashing a step adds, alone (llama {args.flavor}, fastest of 5)",
+          ["tensors hashed / step", "bytes read", "ms / step"], [[count, f"{size / 2**20:.1f} MiB", f"**{ms:.2f}**"]])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from typing import Any, Callable
 from torchtitan_rng.loss_log import LossLogError
 
 FOLDER = "tensor_fingerprints"  # in the dump folder: one file per rank (written by tensor_fingerprints.py)
-_WRAP = 2**64
+# A hash wraps at 2**32 (2**64 for 64-bit elements): shards add up to the whole modulo 2**32 in either case.
+_WRAP = 2**32
 # Per step and rank: the line that rank wrote (the later one for a step written twice).
 Steps = dict[int, dict[int, dict[str, Any]]]
 
