@@ -7,8 +7,9 @@ steps (with --only-common-steps: on the steps both hold) with bitwise-equal loss
 differing step otherwise; 2 when a log cannot be read.
 
 When both runs logged with --debug.rng_fingerprint, the first differing step comes with a diagnosis: which
-random stream differed first, on which rank (see divergence.py). ``--plot out.png`` draws both curves and
-their difference (needs matplotlib).
+random stream differed first, on which rank (see divergence.py); when both ran with --debug.tensor_fingerprint,
+which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). ``--plot
+out.png`` draws both curves and their difference (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
+from torchtitan_rng.diagnosis.locator import tensor_report
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.loss_log import read_loss_log
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(diagnose(records_a, records_b, result.first_step)))
     elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
         print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b)))
+    for line in tensor_report(args.run_a, args.run_b, result.first_step if result.loss_differs else None):
+        print(line)
     if args.plot is not None:
         plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)
         print(f"plot written to {args.plot}")

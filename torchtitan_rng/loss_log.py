@@ -85,7 +85,12 @@ class LossLogWriter:
                 else:
                     del record[key]
         self.pending = []
-        data = memoryview("".join(json.dumps(record) + "\n" for record in written).encode())
+        self._append("".join(json.dumps(record) + "\n" for record in written))
+        return written
+
+    def _append(self, lines: str) -> None:
+        """Append whole lines, fsynced; a full disk is one line saying what to do."""
+        data = memoryview(lines.encode())
         try:
             while data:
                 data = data[self.file.write(data) :]
@@ -96,7 +101,6 @@ class LossLogWriter:
             raise LossLogError(f"{self.path}: the disk is full ({err.strerror}); free space and run the same "
                                "command again: it resumes from the last checkpoint and writes these steps "
                                "again") from None
-        return written
 
     def close(self) -> None:
         """Write what is still queued, then close: a run that fails between two sync points (a NaN, an

@@ -27,6 +27,7 @@ from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.config import JobConfig, as_flags
 from torchtitan_rng.data.dataloader import shutdown_workers
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
+from torchtitan_rng.diagnosis.tensor_fingerprints import build_tensor_fingerprints
 from torchtitan_rng.distributed import StopVote, World, all_ranks_agree_any, init_distributed, on_rank_zero, teardown
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.fault_injection import FaultInjector
@@ -112,6 +113,11 @@ class Trainer:
         # The config, not a loaded checkpoint, sets the hyperparameters (the schedule: lr_scheduler.py): the
         # same values unless checkpoint.allow_config_change let one change, and then the new one applies.
         hyperparameters_from_config(parts.optimizer, config.optimizer)
+        # After the resume: a run refused there leaves no fingerprint file behind.
+        self.tensor_prints = build_tensor_fingerprints(config.debug, parts.model, parts.optimizer, rank=world.rank,
+                                                       world_size=world.world_size, dump_folder=self.dump_folder)
+        if self.tensor_prints is not None:
+            self._closing.callback(self.tensor_prints.close)
 
     def _log(self, message: str) -> None:
         if self.world.rank == 0:
@@ -157,6 +163,8 @@ class Trainer:
             return
         samples = SampleLog(world.rank, world.world_size) if config.metrics.log_samples else None
         batches = samples.batches(data_iter) if samples is not None else data_iter
+        if self.tensor_prints is not None:  # hashes each batch as the plan takes it
+            batches = self.tensor_prints.batches(batches)
         # The global streams, last thing before the first step: after model build, the loader's iterator and
         # everything else that runs once at start-up, so that none of it shifts them.
         resume.start_streams(self.stream_plan, train_state, config.debug.seed, world.rank)
@@ -190,6 +198,8 @@ class Trainer:
                 samples.step_done(step, line)
                 if sync_point:
                     samples.sync()
+            if self.tensor_prints is not None:
+                self.tensor_prints.updated(flush=sync_point)
             written: list[dict[str, Any]] = []
             if loss_log is not None:
                 loss_log.write(line)
@@ -218,7 +228,11 @@ class Trainer:
         config, parts = self.config, self.parts
         parts.optimizer.zero_grad(set_to_none=True)
         loss_fn = self.faults.loss_fn(parts.loss_fn, step) if self.faults is not None else parts.loss_fn
+        if self.tensor_prints is not None:
+            self.tensor_prints.step_begin(step)
         loss = self.plan.forward_backward(parts.model, parts.params, batches, loss_fn, step)
+        if self.tensor_prints is not None:
+            self.tensor_prints.gradients()
         grad_norm = self.plan.clip_grad_norm(parts.params, config.training.max_norm)
         lr = parts.lr_scheduler.get_last_lr()[0]
         record: dict[str, Any] = {
@@ -247,7 +261,7 @@ class Trainer:
     # What holds a process group: FSDP's state in the model (and so the optimizer, the checkpoint parts), the
     # stop vote's group; the mesh resolves its groups by name. replay_step's observer wraps _step around the model.
     _HOLDING_GROUPS = ("parts", "plan", "train_state", "probe", "checkpointer", "stop_vote", "stream_plan", "faults",
-                       "_step")
+                       "tensor_prints", "_step")
 
     def _release(self) -> None:
         """Drop the references to the process groups before the teardown, so that destroy_process_group()

@@ -4,9 +4,9 @@
                                            [--section.key value ...]
 
 Runs, in a temporary folder, A: N steps uninterrupted, and B: the same stopped at step K (its checkpoint
-written there) and resumed to N, both with the learning-rate horizon pinned and RNG fingerprints on. Prints
-PASS or FAIL with the diagnosis (the first differing step, and which random stream on which rank differed
-first) and exits 0 (PASS), 1 (FAIL) or 2 (bad input, or a run refused its configuration).
+written there) and resumed to N, both with the learning-rate horizon pinned and RNG and tensor fingerprints on.
+Prints PASS or FAIL with the diagnosis (the first differing step, which random stream on which rank differed
+first, and which tensor) and exits 0 (PASS), 1 (FAIL) or 2 (bad input, or a run refused its configuration).
 
 --nproc P runs each leg with P processes (torchrun); --keep DIR keeps both runs in DIR (new or empty).
 Every other option is a config override given to all runs; relative paths mean the current directory.
@@ -23,6 +23,7 @@ from pathlib import Path
 from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
+from torchtitan_rng.diagnosis.locator import locate_runs
 from torchtitan_rng.launch.runs import run_training
 from torchtitan_rng import errors
 from torchtitan_rng.errors import TorchtitanRngError
@@ -103,7 +104,7 @@ def _common_overrides(request: Request) -> list[str]:
     return [
         *request.overrides,
         "--lr_scheduler.total_steps", str(lr_total_steps(config)),
-        "--debug.rng_fingerprint",
+        "--debug.rng_fingerprint", "--debug.tensor_fingerprint",
         # Both runs start from scratch, whatever the config says about loading.
         "--checkpoint.initial_load_path=", "--checkpoint.load_step", "-1",
     ]
@@ -141,13 +142,20 @@ def verify(request: Request, work: Path) -> tuple[bool, list[str]]:
                        f"{request.steps} steps (does the config exclude train_state from loading?)"]
     result = compare_records(a, b)
     if not result.equal:
-        return False, [result.message, *(diagnose(a, b, result.first_step) if result.loss_differs else [])]
+        if not result.loss_differs:
+            return False, [result.message]
+        return False, [result.message, *diagnose(a, b, result.first_step),
+                       *locate_runs(run_a, run_b, result.first_step)[1]]
     # Equal losses but a differing stream: a config that used that stream would not resume exactly.
     divergence = first_stream_divergence(a, b)
     if divergence is not None:
         lines = describe(divergence, a, b)
         return False, ["the losses are equal, but " + lines[0], *lines[1:]]
-    return True, [result.message + ", and every random stream equal on every rank at every step"]
+    state, lines = locate_runs(run_a, run_b)
+    if state == "found":  # equal losses, but a parameter or the optimizer state is not what it was
+        return False, ["the losses are equal, but " + lines[0], *lines[1:]]
+    return True, [result.message + ", and every random stream and tensor fingerprint equal on every rank at every "
+                  "step"]
 
 
 def main(argv: list[str] | None = None) -> int:

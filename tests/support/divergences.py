@@ -1,0 +1,75 @@
+"""Train specs that diverge on purpose, for the tensor locator's tests: the LLM trainer with one fault each.
+
+Loaded with ``--job.custom_module tests.support.divergences --model.name NAME`` (the repository on PYTHONPATH:
+tests/support/launch.py run_env). Each builds the same weights as ``llama``; what differs:
+
+* ``llama_noisy_attention``: ``layers.0.attn`` returns its output plus noise from a generator seeded by the OS
+  (a non-deterministic operation inside one module: two runs differ there and nowhere before it);
+* ``llama_bad_load``: loading a checkpoint nudges one element of ``layers.1.ffn.up.weight`` by one ulp (a
+  parameter perturbed at a resume; a run that loads nothing is ``llama`` itself);
+* ``llama_bad_optimizer``: before the update of step 4, one element of the AdamW ``exp_avg`` of
+  ``layers.0.attn.qkv.weight`` moves (optimizer-state corruption; the step's gradients are untouched).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from torchtitan_rng.config import JobConfig
+from torchtitan_rng.models import get_train_spec
+from torchtitan_rng.train_spec import register_train_spec
+
+LLAMA = get_train_spec(JobConfig())
+BAD_LOAD_PARAM = "layers.1.ffn.up.weight"
+BAD_OPTIMIZER_PARAM = "layers.0.attn.qkv.weight"
+BAD_OPTIMIZER_STEP = 4
+
+
+def _noisy_attention(model: nn.Module) -> None:
+    noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + 1e-6 * torch.randn(output.shape, generator=noise).to(output.device)
+
+    model.layers[0].attn.register_forward_hook(add_noise)
+
+
+def _bad_load(model: nn.Module) -> None:
+    param = model.get_parameter(BAD_LOAD_PARAM)
+
+    def nudge(module: nn.Module, keys: Any) -> None:
+        with torch.no_grad():
+            first = param.view(-1)[:1]
+            first.copy_(torch.nextafter(first, torch.full_like(first, float("inf"))))
+
+    model.register_load_state_dict_post_hook(nudge)
+
+
+def _bad_optimizer(model: nn.Module) -> None:
+    param = model.get_parameter(BAD_OPTIMIZER_PARAM)
+
+    def corrupt(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        state = optimizer.state.get(param, {})
+        if "exp_avg" in state and int(state["step"]) == BAD_OPTIMIZER_STEP - 1:  # entering step 4's update
+            state["exp_avg"].view(-1)[0] += 1e-3
+
+    register_optimizer_step_pre_hook(corrupt)
+
+
+def _with(fault: Callable[[nn.Module], None]) -> Callable[[JobConfig], nn.Module]:
+    def build(config: JobConfig) -> nn.Module:
+        model = LLAMA.build_model(config)
+        fault(model)
+        return model
+    return build
+
+
+for _name, _fault in (("llama_noisy_attention", _noisy_attention), ("llama_bad_load", _bad_load),
+                      ("llama_bad_optimizer", _bad_optimizer)):
+    register_train_spec(replace(LLAMA, name=_name, build_model=_with(_fault)))

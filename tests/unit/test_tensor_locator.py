@@ -1,0 +1,351 @@
+"""The tensor locator's decisions over synthetic fingerprint files, and the recorder's hashes and file in process.
+
+Each kind of divergence is written into a copy of one run's fingerprints; the locator must name that thing and
+nothing earlier, and the untouched copy (the control) must name nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_rng.compare_losses import main as compare_main
+from torchtitan_rng.config import parse_args
+from torchtitan_rng.diagnosis.locator import locate, locate_runs, prints_path, read_prints
+from torchtitan_rng.diagnosis.tensor_fingerprints import (TensorFingerprints, build_tensor_fingerprints, row_hashes,
+                                                           tensor_hash)
+from torchtitan_rng.loss_log import LossLogError
+
+PARAMS = ("embed.weight", "layers.0.attn.qkv.weight", "output.weight")
+Lines = dict[int, dict[int, dict[str, Any]]]  # step -> rank -> line
+
+
+def _value(*key: object) -> int:
+    return hash(key) % 2**63  # distinct per key; the same in both runs of a test
+
+
+def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modules_at: int = 2,
+              resumed_at: int | None = None) -> Lines:
+    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks."""
+    lines: Lines = {}
+    for step in range(1, steps + 1):
+        lines[step] = {}
+        for rank in range(world_size):
+            line: dict[str, Any] = {"step": step, "world_size": world_size}
+            if step == 1 or step == resumed_at:
+                line["entering"] = {"param": {name: _value("param", step - 1, name) for name in PARAMS},
+                                    "optim": {f"{name}.exp_avg": _value("optim", step - 1, name) for name in PARAMS}
+                                    if step > 1 else {}}
+            line["batch"] = [{"input": [_value("input", step, rank, mb, row) for row in range(4)],
+                              "labels": [_value("labels", step, rank, mb, row) for row in range(4)]}
+                             for mb in range(micro_batches)]
+            if step == modules_at:
+                line["modules"] = [[name, [_value("in", step, rank, mb, name)], [_value("out", step, rank, mb, name)]]
+                                   for mb in range(micro_batches) for name in ("embed", "layers.0.attn", "output")]
+            line["grad"] = {name: _value("grad", step, name) for name in PARAMS}
+            line["param"] = {name: _value("param", step, name) for name in PARAMS}
+            line["optim"] = {f"{name}.exp_avg": _value("optim", step, name) for name in PARAMS}
+            lines[step][rank] = line
+    return lines
+
+
+def write(folder: Path, lines: Lines) -> Path:
+    for rank in sorted({rank for per_rank in lines.values() for rank in per_rank}):
+        path = prints_path(folder, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(per_rank[rank]) + "\n" for per_rank in lines.values() if rank in per_rank))
+    return folder
+
+
+def first_difference(tmp_path: Path, a: Lines, b: Lines) -> list[str] | None:
+    prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b)
+    return found.lines if found is not None else None
+
+
+def _changed(change: Callable[[Lines], None], **shape: Any) -> Lines:
+    lines = synthetic(**shape)
+    change(lines)
+    return lines
+
+
+def _bump_grad_everywhere(lines: Lines, step: int, name: str) -> None:
+    for line in lines[step].values():
+        line["grad"][name] += 1
+
+
+# (name, the change, the first sentence the locator must give). Each change also makes everything after it differ,
+# as a real divergence does: the locator must still name the first.
+def _later_too(lines: Lines, step: int) -> None:
+    for later in range(step, max(lines) + 1):
+        for line in lines[later].values():
+            line["param"]["output.weight"] += 1
+            line["grad"]["output.weight"] += 1
+
+
+def _data(lines: Lines) -> None:
+    lines[3][1]["batch"][1]["labels"][2] += 1
+    _later_too(lines, 3)
+
+
+def _kernel(lines: Lines) -> None:
+    calls = lines[2][0]["modules"]
+    calls[4][2][0] += 1  # micro-batch 1's layers.0.attn output
+    calls[5][1][0] += 1  # and so the input of the module after it
+    _later_too(lines, 2)
+
+
+def _between_modules(lines: Lines) -> None:
+    lines[2][1]["modules"][1][1][0] += 1  # layers.0.attn's input, with embed's output equal
+    _later_too(lines, 2)
+
+
+def _gradient(lines: Lines) -> None:
+    lines[2][1]["grad"]["layers.0.attn.qkv.weight"] += 1
+    _later_too(lines, 3)
+
+
+def _gradient_at_a_plain_step(lines: Lines) -> None:
+    lines[3][0]["grad"]["embed.weight"] += 1
+    _later_too(lines, 4)
+
+
+def _optimizer(lines: Lines) -> None:
+    for line in lines[3].values():
+        line["param"]["embed.weight"] += 1
+        line["optim"]["embed.weight.exp_avg"] += 1
+    _later_too(lines, 4)
+
+
+def _optimizer_state_only(lines: Lines) -> None:
+    lines[3][0]["optim"]["output.weight.exp_avg"] += 1
+
+
+CASES = {
+    "data": (_data, "step 3, rank 1: the batch of micro-batch 1 differs (`labels`, sample(s) 2 of it): the data, "
+                    "not the model"),
+    "kernel": (_kernel, "step 2, rank 0: `layers.0.attn` output differs, its input equal (a kernel: an operation "
+                        "inside it gave other bits; its parameters entered the step equal)"),
+    "between": (_between_modules, "step 2, rank 1: `layers.0.attn` input differs, every module call that ended "
+                                  "before it gave equal outputs: the difference arose outside any module (code "
+                                  "between modules, or the step's input)"),
+    "gradient": (_gradient, "step 2, rank 1: gradient of `layers.0.attn.qkv.weight` differs before clipping, the "
+                            "batches equal, every module's output equal: the backward pass: a non-deterministic "
+                            "kernel (try --debug.deterministic), or the gradients' reduction over the ranks"),
+    "gradient_plain_step": (_gradient_at_a_plain_step, "step 3, rank 0: gradient of `embed.weight` differs before "
+                                                      "clipping, the batches and the weights entering the step equal: "
+                                                      "the step's computation: its random draws (dropout: "
+                                                      "--debug.rng_fingerprint tells), a non-deterministic kernel "
+                                                      "(--debug.fingerprint_modules_at_step 3 names the module), or "
+                                                      "the gradients' reduction over the ranks"),
+    "optimizer": (_optimizer, "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
+                              "update differs (the optimizer: its state or its hyperparameters, e.g. the learning "
+                              "rate)"),
+    "optimizer_state": (_optimizer_state_only, "step 3, rank 0: gradients equal on every rank, parameters after the "
+                                               "update equal, optimizer state `output.weight.exp_avg` differs (the "
+                                               "optimizer's state: what it carries to the next step)"),
+}
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_each_kind_is_named_first(tmp_path: Path, kind: str) -> None:
+    change, expected = CASES[kind]
+    assert first_difference(tmp_path, synthetic(), _changed(change)) == [expected]
+    # The control: the same runs, nothing changed, nothing named.
+    assert first_difference(tmp_path / "control", synthetic(), synthetic()) is None
+
+
+def test_a_state_perturbed_at_a_resume_is_named_entering_the_step(tmp_path: Path) -> None:
+    a = synthetic()
+    b = synthetic(resumed_at=3)  # B's process started at step 3, loading what A's step 2 left
+    assert first_difference(tmp_path / "control", a, b) is None
+    b[3][1]["entering"]["param"]["output.weight"] += 1
+    _later_too(b, 3)
+    assert first_difference(tmp_path, a, b) == [
+        "step 3, rank 1: parameter `output.weight` entering the step differs, before any batch (B resumed here: "
+        "what the resume loaded differs: the checkpoint or its loading, not this step's training)"]
+
+
+def _over(world_size: int, lines: Lines, sharded: tuple[str, ...]) -> Lines:
+    """``lines`` (one process, micro-batches 0..N-1) as trained by ``world_size`` ranks of N/world_size micro-batches
+    each: batches dealt out in order, the named tensors sharded (each rank's hash a part; the parts add up)."""
+    out: Lines = {}
+    for step, per_rank in lines.items():
+        whole = per_rank[0]
+        share = len(whole["batch"]) // world_size
+        out[step] = {}
+        for rank in range(world_size):
+            line = copy.deepcopy(whole)
+            line["world_size"] = world_size
+            line["batch"] = copy.deepcopy(whole["batch"][rank * share:(rank + 1) * share][::-1])  # another order
+            line.pop("modules", None)
+            for prints in (line["grad"], line["param"], line["optim"], *line.get("entering", {}).values()):
+                for name, value in prints.items():
+                    if name.split(".exp_avg")[0] in sharded:
+                        part = value // world_size
+                        prints[name] = part if rank else value - part * (world_size - 1)
+            if step == 1:
+                line["sharded"] = [name for name in [*line["grad"], *line["optim"]]
+                                   if name.split(".exp_avg")[0] in sharded]
+            out[step][rank] = line
+    return out
+
+
+def test_another_process_count_compares_whole_steps(tmp_path: Path) -> None:
+    one = synthetic(world_size=1)
+    two = _over(2, one, sharded=("embed.weight", "output.weight"))
+    # The control: the same samples and the same whole tensors over two ranks: nothing named.
+    assert first_difference(tmp_path / "control", one, two) is None
+    for line in two[2].values():
+        line["grad"]["output.weight"] += 1  # each rank's part moves: the whole moves
+    assert first_difference(tmp_path, one, two) == [
+        "step 2: gradient of `output.weight` differs before clipping, the same samples: summed over 1 against 2 "
+        "processes: another reduction order (and each rank's own random draws), which is expected outside the "
+        "world-size-invariant mode"]
+    other = _over(2, one, sharded=())
+    other[1][1]["batch"][0]["input"][0] += 1
+    assert first_difference(tmp_path / "samples", one, other) == [
+        "step 1: the samples of the step differ (as a set over every rank and micro-batch, 1 against 2 processes): "
+        "the data, not the model"]
+
+
+def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", synthetic(world_size=1))
+    b = write(tmp_path / "b", synthetic(world_size=1))
+    path = prints_path(b, 0)
+    lines = path.read_text().splitlines()
+    bad = json.loads(lines[2])
+    bad["grad"]["embed.weight"] += 1
+    # A crashed attempt wrote a bad step 3; its resume wrote the step again.
+    path.write_text("\n".join([*lines[:2], json.dumps(bad), *lines[2:]]) + "\n")
+    assert locate(read_prints(a), read_prints(b)) is None  # type: ignore[arg-type]
+    path.write_text("\n".join([*lines, json.dumps(bad)]) + "\n")  # control: the bad line last
+    assert locate(read_prints(a), read_prints(b)).step == 3  # type: ignore[arg-type, union-attr]
+
+
+def test_reports_for_runs_without_fingerprints(tmp_path: Path) -> None:
+    with_prints = write(tmp_path / "a", synthetic())
+    (tmp_path / "plain").mkdir()
+    assert locate_runs(tmp_path / "plain", tmp_path / "plain") == ("absent", [])
+    state, lines = locate_runs(with_prints, tmp_path / "plain")
+    assert state == "absent" and lines[0].startswith("tensor fingerprints only in A: run both with "
+                                                     "--debug.tensor_fingerprint")
+    bad = prints_path(tmp_path / "bad", 0)
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{\"loss\": 1}\n")
+    with pytest.raises(LossLogError, match=r"rank0.jsonl:1: not a tensor-fingerprint line"):
+        read_prints(tmp_path / "bad")
+
+
+def _loss_log(folder: Path, losses: list[float]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "loss_log.jsonl").write_text("".join(json.dumps({"step": step, "loss": loss}) + "\n"
+                                                   for step, loss in enumerate(losses, start=1)))
+
+
+def test_compare_losses_names_the_tensor_and_keeps_its_exit_codes(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = write(tmp_path / "a", synthetic()), write(tmp_path / "b", _changed(_gradient))
+    _loss_log(a, [3.0, 2.5, 2.0, 1.5])
+    _loss_log(b, [3.0, 2.5, 2.0, 1.5])
+    # Equal losses, a differing gradient: a note, and still exit 0 (the losses are what compare_losses compares).
+    assert compare_main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "note: the losses are equal, but the first tensor that differs: " + CASES["gradient"][1]
+    _loss_log(b, [3.0, 2.5, 2.25, 1.5])
+    assert compare_main([str(a), str(b / "loss_log.jsonl")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("first differing step 3") and out[-1].endswith(CASES["gradient"][1])
+    assert compare_main([str(a), str(a)]) == 0  # the control: nothing differs, nothing beyond the one line
+    assert capsys.readouterr().out.splitlines() == ["identical: 4 steps (1..4) with bitwise-equal losses"]
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def test_hashes_see_what_a_xor_misses() -> None:
+    ones = torch.ones(8)
+    scaled = ones * 1.5
+    # torch.hash_tensor XORs: an even count of equal elements cancels, before and after a uniform change.
+    assert torch.hash_tensor(ones) == torch.hash_tensor(scaled) == 0
+    assert int(tensor_hash(ones)) % 2**32 == 8 * _bits(1.0) % 2**32 and tensor_hash(scaled) != tensor_hash(ones)
+    nudged = ones.clone()
+    nudged[3] = torch.nextafter(nudged[3], torch.tensor(2.0))
+    assert (int(tensor_hash(nudged)) - int(tensor_hash(ones))) % 2**32 == 1  # one ulp of one element
+    # Shards add up to the whole (a sharded tensor is hashed per rank), wrapping at 2**32.
+    whole = torch.randn(10, 3)
+    assert sum(int(tensor_hash(part)) for part in whole.chunk(3)) % 2**32 == int(tensor_hash(whole)) % 2**32
+
+
+def test_row_hashes_are_per_sample_and_see_positions() -> None:
+    tokens = torch.arange(64).reshape(4, 16)
+    hashes = row_hashes(tokens)
+    assert hashes.shape == (4,) and hashes.dtype == torch.int64
+    assert row_hashes(tokens.flip(0)).tolist() == hashes.flip(0).tolist()  # a sample keeps its hash
+    swapped = tokens.clone()
+    swapped[2, [0, 1]] = swapped[2, [1, 0]]
+    # Two tokens swapped: that sample's hash moves, and only it (a plain sum of the row would not see it).
+    assert (row_hashes(swapped) != hashes).tolist() == [False, False, True, False]
+    assert int(tensor_hash(swapped)) == int(tensor_hash(tokens))
+    assert row_hashes(torch.randn(2, 3, dtype=torch.bfloat16)).shape == (2,)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.out = nn.Linear(4, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))
+
+
+def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
+    torch.manual_seed(0)
+    model = _Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = parse_args(["--job.dump_folder", str(dump), *flags])
+    prints = build_tensor_fingerprints(config.debug, model, optimizer, rank=0, world_size=1, dump_folder=dump)
+    if prints is None:
+        return None
+    data = iter([{"input": torch.randint(0, 16, (2, 5)), "labels": torch.randint(0, 16, (2, 5))}
+                 for _ in range(steps)])
+    batches = prints.batches(data)
+    for step in range(1, steps + 1):
+        prints.step_begin(step)
+        batch = next(batches)
+        loss = nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        prints.gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        prints.updated(flush=step == steps)
+    prints.close()
+    assert not model.embed._forward_hooks  # the module hooks came off after their step
+    return prints
+
+
+def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> None:
+    assert _train(tmp_path / "off", 2) is None  # off: no recorder at all, so the trainer does nothing per step
+    assert not (tmp_path / "off").exists()
+    _train(tmp_path / "on", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
+    lines = [json.loads(line) for line in prints_path(tmp_path / "on", 0).read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert set(lines[0]) == {"step", "world_size", "entering", "batch", "grad", "param", "optim"}
+    assert [call[0] for call in lines[1]["modules"]] == ["embed", "out"] and "modules" not in lines[2]
+    assert set(lines[2]["optim"]) == {f"{name}.{key}" for name in ("embed.weight", "out.weight", "out.bias")
+                                      for key in ("step", "exp_avg", "exp_avg_sq")}
+    torch.manual_seed(0)
+    expected = _Tiny()
+    assert lines[0]["entering"]["param"]["embed.weight"] == int(tensor_hash(expected.embed.weight))
+    # A second identical run: every fingerprint equal (the control); then the file's steps are comparable.
+    _train(tmp_path / "again", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
+    assert locate_runs(tmp_path / "on", tmp_path / "again")[0] == "equal"

@@ -1,0 +1,203 @@
+"""``debug.tensor_fingerprint``: per step and per rank, a hash of every tensor a step consumes and produces.
+
+Each rank appends one JSON line per step to ``{dump_folder}/tensor_fingerprints/rank{R}.jsonl``:
+
+* ``batch``: per micro-batch this rank consumed, per batch entry (``input``/``labels``, Flux's entries), one hash
+  per sample (row), position-sensitive (a reordered sample changes it);
+* ``grad``: each gradient before clipping; ``param``: each parameter after the update; ``optim``: each tensor of
+  the optimizer state after the update (``NAME.exp_avg``...);
+* ``entering`` (on the first step a process trains: after a resume, the state just loaded): ``param``/``optim``;
+* ``modules`` (at step ``debug.fingerprint_modules_at_step``): ``[name, [input hashes], [output hashes]]`` for
+  every module call, in the order the calls ended (forward hooks, installed for that step only).
+
+A hash is the sum of the elements' bit patterns as integers, modulo 2**32: one reduction on the tensor's device,
+exact whatever order it adds in, kept on the device until the loss log's next sync point, then read in one copy
+per device and written as an exact integer. It sees any single changed element and a tensor changed as a whole;
+as a sum it is blind to a permutation inside one tensor (the batch rows are hashed with their positions for that
+reason). ``torch.hash_tensor`` XORs instead, where two equal elements cancel: a norm weight of ones hashes to 0
+before and after any uniform change. A sharded tensor (FSDP2) is hashed as this rank's shard: the shards' hashes
+add up to the whole tensor's, which is how the locator compares runs over another process count (``sharded``
+names them, in the first line that hashed each). A resumed run appends; a step written twice counts
+by its later line, as in the loss log. Off, the trainer builds none of this: no hook, no per-step work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_leaves
+
+from torchtitan_rng.config import Debug
+from torchtitan_rng.diagnosis.locator import prints_path
+from torchtitan_rng.loss_log import LossLogWriter
+
+# An odd multiplier per position (Knuth's golden-ratio constant, as a signed int64): a bijection of the bits.
+_MIX = -0x61C8864680B583EB
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as integers (a view: nothing is copied)."""
+    tensor = tensor.detach()
+    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+        return tensor.view(_INT_OF_SIZE[tensor.element_size()])
+    return tensor
+
+
+def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d integer on the tensor's device: the sum of its elements' bit patterns, wrapping at 2**32 (2**64 for
+    64-bit elements), of this rank's shard of a sharded tensor. Integer addition is exact in any order: one
+    deterministic reduction. A 32-bit sum of 32-bit elements runs at the speed of a float sum; summing them into 64
+    bits converts each element first, about 20 times slower on a CPU."""
+    bits = _bits(_local(tensor))
+    return bits.sum(dtype=torch.int64 if bits.element_size() == 8 else torch.int32)
+
+
+def row_hashes(tensor: torch.Tensor) -> torch.Tensor:
+    """One int64 per row (sample) of a batch entry: each element's bits times an odd constant of its position."""
+    bits = _bits(tensor)
+    rows = bits.reshape(bits.shape[0] if bits.dim() else 1, -1).to(torch.int64)
+    weights = (torch.arange(rows.shape[1], device=rows.device, dtype=torch.int64) * 2 + 1) * _MIX
+    return (rows * weights).sum(dim=1)
+
+
+class FingerprintWriter(LossLogWriter):
+    """The loss log's append-only, fsynced, cut-line-safe file, for records whose tensors are integer hashes."""
+
+    def flush(self) -> list[dict[str, Any]]:
+        if not self.pending:
+            return []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for record in self.pending:
+            _collect(record, by_device)
+        values = {device: iter(torch.cat([t.reshape(-1) for t in tensors]).tolist())
+                  for device, tensors in by_device.items()}  # one device-to-host copy per device
+        written = [_fill(record, values) for record in self.pending]
+        self.pending = []
+        self._append("".join(json.dumps(record) + "\n" for record in written))
+        return written
+
+
+def _collect(value: Any, found: dict[torch.device, list[torch.Tensor]]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.setdefault(value.device, []).append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, found)
+
+
+def _fill(value: Any, values: dict[torch.device, Iterator[int]]) -> Any:
+    """``value`` with each tensor replaced by its ints (in the order :func:`_collect` took them)."""
+    if isinstance(value, torch.Tensor):
+        ints = [next(values[value.device]) for _ in range(value.numel())]
+        return ints if value.dim() else ints[0]
+    if isinstance(value, dict):
+        return {key: _fill(item, values) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_fill(item, values) for item in value]
+    return value
+
+
+class TensorFingerprints:
+    """One rank's recorder; the trainer calls it around each step only when ``debug.tensor_fingerprint`` is on."""
+
+    def __init__(self, debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+                 world_size: int, dump_folder: Path) -> None:
+        self.model, self.optimizer, self.world_size = model, optimizer, world_size
+        self.modules_at = debug.fingerprint_modules_at_step
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = {id(p): name for name, p in self.params}
+        self.sharded: set[str] = set()  # the names of sharded tensors hashed so far, written when new
+        self.writer = FingerprintWriter(prints_path(dump_folder, rank))
+        self.first = True
+        self._sharded_now: set[str] = set()
+        self.record: dict[str, Any] = {}
+        self._hooks: list[Any] = []
+
+    def batches(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """The batches as the plan takes them, each hashed per entry and sample as it is taken."""
+        for batch in batches:
+            self.record.setdefault("batch", []).append(
+                {key: row_hashes(value) for key, value in batch.items() if isinstance(value, torch.Tensor)})
+            yield batch
+
+    def step_begin(self, step: int) -> None:
+        """Before the step's forward: the state entering it (first step of this process), hooks at the chosen step."""
+        self.record = {"step": step, "world_size": self.world_size}
+        if self.first:
+            self.first = False
+            self.record["entering"] = {"param": self._params(), "optim": self._optim()}
+        if step == self.modules_at:
+            calls: list[Any] = []
+            self.record["modules"] = calls
+            for name, module in self.model.named_modules():
+                if name:
+                    self._hooks.append(module.register_forward_hook(_module_hook(name, calls), with_kwargs=True))
+
+    def gradients(self) -> None:
+        """After the backward, before clipping; the module hooks (if any) come off here."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.record["grad"] = {name: self._hash(name, p.grad) for name, p in self.params if p.grad is not None}
+
+    def updated(self, flush: bool) -> None:
+        """After the update: parameters and optimizer state; the line is queued (written at ``flush``)."""
+        self.record["param"] = self._params()
+        self.record["optim"] = self._optim()
+        if new := sorted(self._sharded_now - self.sharded):
+            self.record["sharded"] = new
+            self.sharded.update(new)
+        self._sharded_now = set()
+        self.writer.write(self.record)
+        if flush:
+            self.writer.flush()
+
+    def _hash(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor) and any(isinstance(place, Shard) for place in tensor.placements):
+            self._sharded_now.add(name)
+        return tensor_hash(tensor)
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {name: self._hash(name, p) for name, p in self.params}
+
+    def _optim(self) -> dict[str, torch.Tensor]:
+        prints = {}
+        for param, state in self.optimizer.state.items():
+            name = self.names.get(id(param), "?")
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    prints[f"{name}.{key}"] = self._hash(f"{name}.{key}", value)
+        return prints
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self.writer.close()
+
+
+def _module_hook(name: str, calls: list[Any]) -> Any:
+    def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        calls.append([name, [tensor_hash(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)],
+                      [tensor_hash(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)]])
+    return hook
+
+
+def build_tensor_fingerprints(debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+                              world_size: int, dump_folder: Path) -> TensorFingerprints | None:
+    """The recorder, or None when ``debug.tensor_fingerprint`` is off (the trainer then does nothing per step)."""
+    if not debug.tensor_fingerprint:
+        return None
+    return TensorFingerprints(debug, model, optimizer, rank=rank, world_size=world_size, dump_folder=dump_folder)
