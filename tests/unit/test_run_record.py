@@ -54,7 +54,8 @@ def test_keys_that_cannot_change_the_trajectory_are_quiet() -> None:
     current = _record("--lr_scheduler.total_steps", "20", "--job.description", "x", "--metrics.log_freq", "3",
                       "--checkpoint.interval", "7", "--checkpoint.keep_latest_k", "2", "--checkpoint.folder", "c",
                       "--checkpoint.async_mode", "async", "--data.num_workers", "2", "--data.prefetch_factor", "4",
-                      "--debug.rng_fingerprint", "--validation.enable", "--training.steps", "15")
+                      "--debug.rng_fingerprint", "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step",
+                      "3", "--validation.enable", "--training.steps", "15")
     assert _check(saved, current) == []
 
 
