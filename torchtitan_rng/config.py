@@ -134,10 +134,12 @@ class Data:
 
 @dataclass
 class Optimizer:
-    name: str = _key("AdamW", "the optimizer", choices=("AdamW", "Adam", "SGD"))
+    name: str = _key("AdamW", "the torch.optim optimizer that updates the parameters", choices=("AdamW", "Adam", "SGD"))
     lr: float = _key(1e-3, "peak learning rate (the schedule scales it)")
-    eps: float = _key(1e-8, "Adam(W): epsilon")
-    weight_decay: float = _key(0.1, "weight decay")
+    eps: float = _key(1e-8, "Adam(W): added to the denominator (the second moment's square root) so that it is "
+                            "never zero")
+    weight_decay: float = _key(0.1, "AdamW: each step shrinks every weight by lr x this (decoupled); Adam and SGD: "
+                                    "this x the weight is added to its gradient (L2)")
     beta1: float = _key(0.9, "Adam(W): first-moment decay")
     beta2: float = _key(0.95, "Adam(W): second-moment decay")
 
