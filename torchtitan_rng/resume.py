@@ -97,10 +97,9 @@ def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
         if name not in layout.PARTS:
             raise ConfigError(f"config checkpoint.exclude_from_loading has {name!r}; valid parts: "
                               f"{', '.join(layout.PARTS)}")
-    if not ckpt.enable:
-        if ckpt.initial_load_path or ckpt.load_step >= 0:
-            raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
+    if not ckpt.enable and not ckpt.initial_load_path and ckpt.load_step < 0:
         return None
+    # Without checkpoint.enable a named checkpoint is loaded and nothing is saved: a run that only looks.
     return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
