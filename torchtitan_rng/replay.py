@@ -18,6 +18,11 @@ against the checkpoint's checksums before they are read.
 
 from __future__ import annotations
 
+from torchtitan_rng.errors import exit_without_torch
+
+if __name__ == "__main__":
+    exit_without_torch("replay")  # before the imports below, which need torch: one line, not a traceback
+
 import argparse
 import json
 import os

@@ -17,6 +17,11 @@ imported, for the token offsets, only when the user names it too (``--job.custom
 
 from __future__ import annotations
 
+from torchtitan_rng.errors import exit_without_torch
+
+if __name__ == "__main__":
+    exit_without_torch("samples")  # before the imports below, which need torch: one line, not a traceback
+
 import argparse
 import json
 import sys
