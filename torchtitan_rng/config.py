@@ -677,9 +677,15 @@ def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:
     if global_batch == -1:
         return 1
     if global_batch % local:
+        per_rank = config.training.local_batch_size
+        sizes = [size for size in range(1, global_batch // per_rank + 1) if global_batch % (per_rank * size) == 0]
+        # A resume keeps its checkpoint's batch sizes (changing one is refused): the process count is what it may
+        # change.
+        other = f"run on a data-parallel size that divides it ({', '.join(map(str, sizes))}), or, " if sizes else ""
         raise ConfigError(
             f"config training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
-            f"data-parallel size = {config.training.local_batch_size} x {dp_world} = {local}; choose a multiple"
+            f"data-parallel size = {per_rank} x {dp_world} = {local}; {other}for a new run, choose a multiple (a "
+            "resume keeps the batch sizes its checkpoint was trained with)"
         )
     return global_batch // local
 

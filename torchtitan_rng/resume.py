@@ -134,8 +134,6 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
         return StreamPlan("fresh"), None
     world = plan.world
     vetted = vet_for(config, path, checkpointer.run_record, world.world_size, world.device)
-    for line in vetted.warnings:
-        log(line)
     ckpt = config.checkpoint
     keep_loader = plan.loads_dataloader and not vetted.reseed
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
@@ -144,6 +142,8 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     last_step = config.training.steps
     layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                                   if checkpointer.should_save(step, last_step)])
+    for line in vetted.warnings:  # once the resume goes on: a note that it does must not precede a refusal
+        log(line)
     plan.position_data(sampler, train_state.step, vetted.info.saved_world_size, vetted.reseed)
     if not plan.carries_streams:  # each step seeds its own streams
         return StreamPlan("fresh"), path

@@ -164,8 +164,8 @@ def test_a_flipped_bit_is_refused_naming_the_file(checkpoint: Path, name: str) -
     with pytest.raises(CheckpointError) as refused:
         verify_integrity(checkpoint)
     assert str(refused.value) == (f"checkpoint {checkpoint} is damaged: {name} does not match the checksum written "
-                                  "at save (its content changed); pick another with load_step= (or move "
-                                  "it away)")
+                                  "at save (its content changed); move it out of the folder (a resume then "
+                                  "picks the newest checkpoint before it), or restore it from a copy")
 
 
 def test_truncated_and_missing_files_are_refused(checkpoint: Path) -> None:
