@@ -128,6 +128,10 @@ def step_samples(run: Path, step: int, folder: str = "") -> tuple[list[list[int]
     if "dataloader" in (values.get("checkpoint.exclude_from_loading") or []):
         raise ConfigError(f"checkpoint {newest} was resumed without its dataloader (checkpoint.exclude_from_loading): "
                           "the data position was reset then and cannot be rebuilt from the record")
+    # The count that trained the step (a world-size-invariant run may be resumed at another): that of the first
+    # checkpoint at or after it, the run having gone on with the newest's after that.
+    world_size = next((count for checkpoint, _, _, count in orders if int(checkpoint.name.split("-")[1]) >= step),
+                      world_size)
     num_samples = (data or {}).get("samples")
     if not isinstance(num_samples, int) or world_size is None:
         raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")

@@ -180,3 +180,22 @@ def test_storage_refuses_a_url_with_one_slash() -> None:
             checkpoint_folder("run", mistyped)
     assert str(locate("memory://bkt/x")) == "memory:///bkt/x"
     assert locate("C:/x").local == Path("C:/x") and checkpoint_folder("run", "checkpoint").local == Path("run/checkpoint")
+
+
+def test_samples_of_an_invariant_run_resumed_at_another_count(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A world-size-invariant run trained to step 2 on 2 processes, resumed on 1 to step 4: a step up to 2 is
+    listed (and labelled) in the order of the 2 processes that trained it, a later one in that of 1 — as each
+    run logged it. Control: the two orders differ."""
+    flags = ("--parallelism.world_size_invariant", "--training.global_batch_size", "16",
+             "--training.local_batch_size", "4")
+    dump = _run(tmp_path, "run", *flags, ranks=2)
+    config = parse_args(["--job.config_file", str(REPO / CONFIG), "--job.dump_folder", "run", *flags])
+    _save(dump / "checkpoint", config, 4, ranks=1)
+    plan = samples.plan_class(config.parallelism)
+    for step, count in [(1, 2), (2, 2), (3, 1), (4, 1), (5, 1)]:
+        keys, num_samples, world_size, _ = samples.step_samples(dump, step)
+        assert (world_size, keys) == (count, plan.step_sample_keys(config, num_samples, count, step)), step
+    assert plan.step_sample_keys(config, 64, 2, 1) != plan.step_sample_keys(config, 64, 1, 1)
+    assert samples.main([str(dump), "--step", "1"]) == 0
+    assert "rank-major over 2 process(es)" in capsys.readouterr().out
