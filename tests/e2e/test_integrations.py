@@ -1,17 +1,21 @@
 """ExactResumeTrainer (transformers) and ExactResumeCallback (Lightning), real packages on the CPU: a run
 stopped mid-epoch and resumed in a fresh process logs every step's loss bit for bit as the uninterrupted
 run (losses recorded with float.hex per micro-batch, per rank); the stock frameworks, same script and
-stop, differ. Dataset draws from random / numpy / torch in 2 workers; dropout on."""
+stop, differ. Dataset draws from random / numpy / torch in 2 workers; dropout on. The docs' runnable example
+runs as the page writes it."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_examples import with_path
 from tests.support.integrations import PRELOAD
-from tests.support.launch import launch, together
+from tests.support.launch import REPO, launch, run_env, together
 
 
 def _run(script: str, out: Path, *args: str, nproc: int = 1) -> None:
@@ -96,3 +100,27 @@ def test_lightning_ddp_signal_resumes_bitwise(tmp_path: Path) -> None:
 def test_lightning_stock_differs(tmp_path: Path) -> None:
     a, b = _lightning(tmp_path, ("--save-every", "3", "--max-steps", "3"), "step=3.ckpt", stock=True)
     assert b != a
+
+
+def _page_commands(page: str, heading: str) -> list[str]:
+    """The lines of the first ```bash block after ``heading`` in docs/``page``, as a user copies them."""
+    text = (REPO / "docs" / page).read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index(heading):], re.S)
+    assert block is not None, f"no bash block after {heading!r} in {page}"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_hf_example_runs_as_the_docs_write_it(tmp_path: Path) -> None:
+    """docs/integrations.md's runnable example, each command as written, in a folder laid out as the repository
+    (its examples/): a first launch, one stopped by a SIGTERM during step 5, the same command again, and the
+    comparison of the two loss logs, exit 0 with the lines the page shows."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    commands = _page_commands("integrations.md", "### A runnable example")
+    assert [command.split()[0] for command in commands] == ["python"] * 4
+    procs = [launch([sys.executable, *shlex.split(command)[1:]], cwd=tmp_path, env=run_env(with_path(REPO)))
+             for command in commands]
+    assert [proc.returncode for proc in procs] == [0] * 4, [proc.stderr[-3000:] for proc in procs]
+    assert ("stopped by SIGTERM at step 6: checkpoint-6 saved in stopped/checkpoints; "
+            "train(resume_from_checkpoint=True) resumes it") in procs[1].stderr
+    assert "preempted (SIGTERM): run the same command again to resume" in procs[1].stdout
+    assert procs[3].stdout.strip() == "identical: 12 steps (1..12) with bitwise-equal losses"
