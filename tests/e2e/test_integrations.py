@@ -6,16 +6,14 @@ runs as the page writes it."""
 
 from __future__ import annotations
 
-import re
-import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_examples import with_path
+from tests.support.doc_commands import as_repository, block_after, run_block
 from tests.support.integrations import PRELOAD
-from tests.support.launch import REPO, launch, run_env, together
+from tests.support.launch import launch, together
 
 
 def _run(script: str, out: Path, *args: str, nproc: int = 1) -> None:
@@ -102,25 +100,13 @@ def test_lightning_stock_differs(tmp_path: Path) -> None:
     assert b != a
 
 
-def _page_commands(page: str, heading: str) -> list[str]:
-    """The lines of the first ```bash block after ``heading`` in docs/``page``, as a user copies them."""
-    text = (REPO / "docs" / page).read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index(heading):], re.S)
-    assert block is not None, f"no bash block after {heading!r} in {page}"
-    return [line for line in block.group(1).splitlines() if line.strip()]
-
-
 def test_the_hf_example_runs_as_the_docs_write_it(tmp_path: Path) -> None:
-    """docs/integrations.md's runnable example, each command as written, in a folder laid out as the repository
-    (its examples/): a first launch, one stopped by a SIGTERM during step 5, the same command again, and the
-    comparison of the two loss logs, exit 0 with the lines the page shows."""
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    commands = _page_commands("integrations.md", "### A runnable example")
-    assert [command.split()[0] for command in commands] == ["python"] * 4
-    procs = [launch([sys.executable, *shlex.split(command)[1:]], cwd=tmp_path, env=run_env(with_path(REPO)))
-             for command in commands]
-    assert [proc.returncode for proc in procs] == [0] * 4, [proc.stderr[-3000:] for proc in procs]
+    """docs/integrations.md's runnable example as written, in a folder laid out as the repository: a first
+    launch, one stopped by a SIGTERM during step 5, the same command again, and the comparison of the two loss
+    logs, exit 0 with the lines the page shows."""
+    proc = run_block(block_after("integrations.md", "### A runnable example"), as_repository(tmp_path / "repo"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("stopped by SIGTERM at step 6: checkpoint-6 saved in stopped/checkpoints; "
-            "train(resume_from_checkpoint=True) resumes it") in procs[1].stderr
-    assert "preempted (SIGTERM): run the same command again to resume" in procs[1].stdout
-    assert procs[3].stdout.strip() == "identical: 12 steps (1..12) with bitwise-equal losses"
+            "train(resume_from_checkpoint=True) resumes it") in proc.stderr
+    assert "preempted (SIGTERM): run the same command again to resume" in proc.stdout.splitlines()
+    assert proc.stdout.strip().splitlines()[-1] == "identical: 12 steps (1..12) with bitwise-equal losses"
