@@ -1,19 +1,20 @@
-"""Replay one step of a run: ``python -m torchtitan_rng.replay RUN --step K [--processes N] [--checkpoint.folder W]``.
+"""Replay one step of a run: ``python -m torchtitan_rng.replay RUN --step K [--processes N]
+[--checkpoint.folder W]``.
 
-It resumes the run's newest complete checkpoint before step K (in RUN, or in W: the run's ``checkpoint.folder``,
-a URL or a folder) or, when there is none, starts as the run started (afresh, or from the checkpoint its
+It resumes the run's newest complete checkpoint before step K (in RUN, or in W: the run's ``checkpoint.folder``, a
+URL or a folder) or, when there is none, starts as the run started (afresh, or from the checkpoint its
 ``checkpoint.initial_load_path`` named), with the values the checkpoint records (not its config file: the replay
-runs from any folder), into a temporary dump folder, saving no checkpoint, on N real processes (default: as many
-as saved the newest checkpoint; several under the package's launcher, as ``run_train.sh`` starts them), trains to step K with ``metrics.log_samples`` and prints,
-for each micro-batch of step K, its sample keys (with their token offsets when the data is a file of tokens),
-loss and gradient norm (total and per block), then the step's gradient norm per block and the norm of its update,
-and one line: whether the step's loss and gradient norm equal those in RUN's loss log bit for bit (exit 0 when
-they do, 1 when not). A world-size-invariant run replays at any process count its micro-batches divide, without
-its pipeline stages; an ordinary run only at the count that trained it (another is refused in one line, exit 2:
-only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to
-stderr. Loading never executes code: a ``job.custom_module`` the checkpoint's record names is refused in one line
-unless the user names the same (``--job.custom_module NAME``), and ``run.json`` and ``.metadata`` are checked
-against the checkpoint's checksums before they are read.
+runs from any folder), into a temporary dump folder, saving no checkpoint, on N real processes (default: as many as
+saved the newest checkpoint; several under the package's launcher, as ``run_train.sh`` starts them), trains to step
+K with ``metrics.log_samples`` and prints, for each micro-batch of step K, its sample keys (with their token offsets
+when the data is a file of tokens), loss and gradient norm (total and per block), then the step's gradient norm per
+block and the norm of its update, and one line: whether the step's loss and gradient norm equal those in RUN's loss
+log bit for bit (exit 0 when they do, 1 when not). A world-size-invariant run replays at any process count its
+micro-batches divide, without its pipeline stages; an ordinary run only at the count that trained it (another is
+refused in one line, exit 2: only that count continues its checkpoints exactly). The ranks' side is
+``replay_step.py``; their progress goes to stderr. Loading never executes code: a ``job.custom_module`` the
+checkpoint's record names is refused in one line unless the user names the same (``--job.custom_module NAME``), and
+``run.json`` and ``.metadata`` are checked against the checkpoint's checksums before they are read.
 """
 
 from __future__ import annotations

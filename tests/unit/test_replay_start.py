@@ -179,7 +179,8 @@ def test_storage_refuses_a_url_with_one_slash() -> None:
         with pytest.raises(CheckpointError, match=f"write {meant}$"):
             checkpoint_folder("run", mistyped)
     assert str(locate("memory://bkt/x")) == "memory:///bkt/x"
-    assert locate("C:/x").local == Path("C:/x") and checkpoint_folder("run", "checkpoint").local == Path("run/checkpoint")
+    assert locate("C:/x").local == Path("C:/x")
+    assert checkpoint_folder("run", "checkpoint").local == Path("run/checkpoint")
 
 
 def test_samples_of_an_invariant_run_resumed_at_another_count(tmp_path: Path,

@@ -141,7 +141,8 @@ def verify_integrity(folder: Location | Path) -> bool:
 
 # What a resume says to do with a damaged checkpoint. Not "pick another with load_step=": resumed from an older
 # one, the run would save over the damaged one and is refused for it.
-RESUME_ADVICE = "move it out of the folder (a resume then picks the newest checkpoint before it), or restore it from a copy"
+RESUME_ADVICE = ("move it out of the folder (a resume then picks the newest checkpoint before it), or restore it from "
+                 "a copy")
 # What a tool that reads a checkpoint without loading it says to do with a damaged one (no load_step= there).
 TOOL_ADVICE = "restore it from a copy, or move it away and pick another step"
 

@@ -178,7 +178,8 @@ class ExactResumeTrainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         output_dir = self.args.output_dir
-        if resume_from_checkpoint is True and (not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None):
+        fresh = not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None
+        if resume_from_checkpoint is True and fresh:
             if self.args.process_index == 0:
                 log.warning("resume_from_checkpoint=True: %s holds no checkpoint yet; training from the start",
                             output_dir)
