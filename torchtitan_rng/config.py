@@ -163,7 +163,8 @@ class Checkpoint:
     load_step: int = _key(-1, "resume from this step instead of the newest complete checkpoint; -1: newest")
     keep_latest_k: int = _key(0, "keep only the newest k complete checkpoints; 0: all")
     initial_load_path: str = _key("", "a step-N folder, or a folder of them (a path or a URL), to start from when the dump folder has "
-                                  "no checkpoint yet")
+                                  "no checkpoint yet; without checkpoint.enable it is loaded and nothing is saved "
+                                  "(a run that only looks)")
     exclude_from_loading: list[str] = _key([], "checkpoint parts not to load, any of: model, optimizer, "
                                            "lr_scheduler, dataloader, train_state")
     async_mode: str = _key("disabled", "async: the loop goes on while the save is written in the background "
@@ -625,7 +626,7 @@ def parse_args(argv: list[str]) -> JobConfig:
     pairs = _split_cli(argv)
     config = JobConfig()
     config_files = [_convert(name, raw, str, from_cli=True) for name, raw in pairs if name == "job.config_file"]
-    if config_files:
+    if config_files and config_files[-1]:  # empty: no file (every value on the command line)
         for section_name, values in _load_toml(config_files[-1]).items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file: {section_name!r} must be a [section] table")
@@ -684,9 +685,15 @@ def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:
     if global_batch == -1:
         return 1
     if global_batch % local:
+        per_rank = config.training.local_batch_size
+        sizes = [size for size in range(1, global_batch // per_rank + 1) if global_batch % (per_rank * size) == 0]
+        # A resume keeps its checkpoint's batch sizes (changing one is refused): the process count is what it may
+        # change.
+        other = f"run on a data-parallel size that divides it ({', '.join(map(str, sizes))}), or, " if sizes else ""
         raise ConfigError(
             f"config training.global_batch_size = {global_batch} is not a multiple of local_batch_size x "
-            f"data-parallel size = {config.training.local_batch_size} x {dp_world} = {local}; choose a multiple"
+            f"data-parallel size = {per_rank} x {dp_world} = {local}; {other}for a new run, choose a multiple (a "
+            "resume keeps the batch sizes its checkpoint was trained with)"
         )
     return global_batch // local
 

@@ -36,6 +36,27 @@ def report(err: TorchtitanRngError, wording: Callable[[str], str] = str) -> int:
     return EXIT_CODE
 
 
+def torch_missing(command: str) -> TorchtitanRngError | None:
+    """The error of a command that needs torch run by a Python that cannot import it (None: it can), found
+    without importing torch: the command reports it in one line instead of failing with a traceback, or, where
+    it launches runs, instead of judging runs that could not start."""
+    from importlib.util import find_spec
+
+    if find_spec("torch") is not None:
+        return None
+    return TorchtitanRngError(f"{sys.executable} cannot import torch, which python -m torchtitan_rng.{command} "
+                              "needs; run it with the Python that trains (the one run_train.sh uses), or install "
+                              "torch into this one")
+
+
+def exit_without_torch(command: str) -> None:
+    """Exit (2) with :func:`torch_missing`'s line when torch cannot be imported: an entry module calls it when run
+    (``__main__``), before the imports that need torch."""
+    missing = torch_missing(command)
+    if missing is not None:
+        sys.exit(report(missing))
+
+
 # No space left, a quota, a file-size limit: to the user, all "the disk is full".
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 

@@ -1,20 +1,28 @@
-"""Replay one step of a run: ``python -m torchtitan_rng.replay RUN --step K [--processes N]``.
+"""Replay one step of a run: ``python -m torchtitan_rng.replay RUN --step K [--processes N]
+[--checkpoint.folder W]``.
 
-It resumes the run's newest complete checkpoint before step K (or starts it afresh when there is none) with the
-config the checkpoint records, into a temporary dump folder, on N real processes (default 1; several under the
-package's launcher, as ``run_train.sh`` starts them), trains to step K with ``metrics.log_samples`` and prints,
-for each micro-batch of step K, its sample keys (with their token offsets when the data is a file of tokens),
-loss and gradient norm (total and per block), then the step's gradient norm per block and the norm of its update,
-and one line: whether the step's loss and gradient norm equal those in RUN's loss log bit for bit (exit 0 when
-they do, 1 when not). A world-size-invariant run replays at any process count its micro-batches divide, without
-its pipeline stages; an ordinary run only at the count that trained it (another is refused in one line, exit 2:
-only that count continues its checkpoints exactly). The ranks' side is ``replay_step.py``; their progress goes to
-stderr. Loading never executes code: a ``job.custom_module`` the checkpoint's record names is refused in one line
-unless the user names the same (``--job.custom_module NAME``), and ``run.json`` and ``.metadata`` are checked
-against the checkpoint's checksums before they are read.
+It resumes the run's newest complete checkpoint before step K (in RUN, or in W: the run's ``checkpoint.folder``, a
+URL or a folder) or, when there is none, starts as the run started (afresh, or from the checkpoint its
+``checkpoint.initial_load_path`` named), with the values the checkpoint records (not its config file: the replay
+runs from any folder), into a temporary dump folder, saving no checkpoint, on N real processes (default: as many as
+saved the newest checkpoint; several under the package's launcher, as ``run_train.sh`` starts them), trains to step
+K with ``metrics.log_samples`` and prints, for each micro-batch of step K, its sample keys (with their token offsets
+when the data is a file of tokens), loss and gradient norm (total and per block), then the step's gradient norm per
+block and the norm of its update, and one line: whether the step's loss and gradient norm equal those in RUN's loss
+log bit for bit (exit 0 when they do, 1 when not). A world-size-invariant run replays at any process count its
+micro-batches divide, without its pipeline stages; an ordinary run only at the count that trained it (another is
+refused in one line, exit 2: only that count continues its checkpoints exactly). The ranks' side is
+``replay_step.py``; their progress goes to stderr. Loading never executes code: a ``job.custom_module`` the
+checkpoint's record names is refused in one line unless the user names the same (``--job.custom_module NAME``), and
+``run.json`` and ``.metadata`` are checked against the checkpoint's checksums before they are read.
 """
 
 from __future__ import annotations
+
+from torchtitan_rng.errors import exit_without_torch
+
+if __name__ == "__main__":
+    exit_without_torch("replay")  # before the imports below, which need torch: one line, not a traceback
 
 import argparse
 import json
@@ -27,9 +35,10 @@ from typing import Any
 
 import torch
 
-from torchtitan_rng.checkpoint import integrity, run_record
+from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import METADATA_NAME
-from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoint
+from torchtitan_rng.checkpoint.storage import Location, is_url
 from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags
 from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
@@ -37,18 +46,16 @@ from torchtitan_rng.launch.runs import launch_command
 from torchtitan_rng.loss_log import read_loss_log
 from torchtitan_rng.parallel import plan_class
 from torchtitan_rng.replay_step import REPORT_NAME, total_norm
-from torchtitan_rng.samples import format_keys, run_checkpoints, token_offsets
+from torchtitan_rng.samples import (FOLDER_HELP, as_launched, format_keys, no_checkpoint, run_checkpoints,
+                                    token_offsets)
 from torchtitan_rng.sample_log import SAMPLES_FIELD
 
 
-def _start(run: Path, step: int, trusted_module: str) -> tuple[Path | None, dict[str, Any]]:
-    """The newest complete checkpoint of ``run`` before ``step`` (None: none), and the config values to replay:
+def _start(checkpoints: list[Path | Location], step: int,
+           trusted_module: str) -> tuple[Path | Location | None, dict[str, Any]]:
+    """The newest of the run's ``checkpoints`` before ``step`` (None: none), and the config values to replay:
     its files checked before any value is read, and a ``job.custom_module`` it names refused unless the user
     named the same (``trusted_module``), as loading never executes code a file names."""
-    checkpoints = run_checkpoints(run) if run.is_dir() else []
-    if not checkpoints:
-        raise ConfigError(f"{run} holds no complete checkpoint, whose run.json records the run's config; give the "
-                          "dump folder of a run trained with --checkpoint.enable")
     before = [path for path in checkpoints if int(path.name.split("-")[1]) < step]
     chosen = before[-1] if before else None
     record = run_record.read_checked_record(chosen or checkpoints[0])
@@ -56,6 +63,18 @@ def _start(run: Path, step: int, trusted_module: str) -> tuple[Path | None, dict
         raise ConfigError(f"checkpoint {chosen or checkpoints[0]} holds no run.json: its config is unknown")
     run_record.refuse_untrusted_module(chosen or checkpoints[0], record["config"], trusted_module)
     return chosen, record["config"]
+
+
+def _run_start(values: dict[str, Any], scratch: Path) -> Path | Location | None:
+    """The checkpoint the run itself started from (its ``checkpoint.initial_load_path`` and ``load_step``, paths
+    as launched: :func:`as_launched`), None when it started afresh; ``scratch``: an empty folder."""
+    initial = values.get("checkpoint.initial_load_path") or ""
+    if not initial:
+        return None
+    if not is_url(initial) and not Path(initial).exists():
+        raise ConfigError(f"the run started from checkpoint.initial_load_path {initial!r}, which is not there: "
+                          "run the replay in the folder the run was launched in")
+    return layout.resolve_checkpoint(scratch, values.get("checkpoint.load_step", -1), initial)
 
 
 def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -66,17 +85,17 @@ def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if key not in layout}
 
 
-def _replay_config(values: dict[str, Any], checkpoint: Path | None, step: int, dump: Path) -> JobConfig:
+def _replay_config(values: dict[str, Any], checkpoint: Path | Location | None, step: int, dump: Path) -> JobConfig:
+    """The replay's config: the run's, trained from ``checkpoint`` (None: afresh) to ``step`` into ``dump``,
+    looking only (no checkpoint saved)."""
     config = from_values(_replayed_values(values))
     config.job.dump_folder = str(dump)
     config.training.steps = step
     config.metrics.log_samples = True
     config.data.num_workers = 0  # the samples are pure functions of their keys: workers change no bit
     ckpt = config.checkpoint
-    ckpt.enable, ckpt.folder, ckpt.load_step, ckpt.keep_latest_k = True, "checkpoint", -1, 1
-    ckpt.interval, ckpt.async_mode = step + 1, "disabled"  # only the last step's save, into the temporary folder
-    if checkpoint is not None:  # else the run's own start: afresh, or the checkpoint it was started from
-        ckpt.initial_load_path = str(checkpoint)
+    ckpt.enable, ckpt.folder, ckpt.load_step, ckpt.async_mode = False, "checkpoint", -1, "disabled"
+    ckpt.initial_load_path = str(checkpoint) if checkpoint is not None else ""
     return config
 
 
@@ -97,11 +116,10 @@ def verdict(step: int, replayed: dict[str, Any], logged: dict[str, Any]) -> tupl
                                for key in differing))
 
 
-def _refuse_other_counts(run: Path, values: dict[str, Any], processes: int) -> None:
-    """``processes`` continue this run's checkpoints exactly, or the replay is refused (its plan says why)."""
-    newest = run_checkpoints(run)[-1]
-    integrity.verify_files(newest, [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
-    config, info = from_values(_replayed_values(values)), inspect_checkpoint(newest)
+def _refuse_other_counts(info: CheckpointInfo, values: dict[str, Any], processes: int) -> None:
+    """``processes`` continue this run's checkpoints (the newest's ``info``) exactly, or the replay is refused
+    (its plan says why)."""
+    config = from_values(_replayed_values(values))
     plan = plan_class(config.parallelism)
     try:
         plan.check_checkpoint(info, processes, None)
@@ -132,24 +150,36 @@ def _replay_on(config: JobConfig, processes: int) -> dict[str, Any]:
     return json.loads(report_file.read_text())
 
 
-def replay(run: Path, step: int, processes: int = 1, trusted_module: str = "") -> int:
-    """Replay ``step`` of ``run`` (see the module's docstring); ``trusted_module``: the user's
-    ``--job.custom_module``, the only module the replay may import."""
+def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
+    """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
+    newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
+    ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
-    if processes < 1:
+    if processes is not None and processes < 1:
         raise ConfigError(f"--processes {processes}: at least 1")
     logged = read_loss_log(run)
     if step not in logged:
         raise ConfigError(f"{run}'s loss log has no step {step}: nothing to compare the replay with")
-    checkpoint, values = _start(run, step, trusted_module)
-    _refuse_other_counts(run, values, processes)
-    with tempfile.TemporaryDirectory(prefix="replay-") as folder:
-        config = _replay_config(values, checkpoint, step, Path(folder))
+    checkpoints = run_checkpoints(run, folder)
+    if not checkpoints:
+        raise no_checkpoint(run, folder, "the run's config")
+    checkpoint, recorded = _start(checkpoints, step, trusted_module)
+    values = as_launched(run, recorded)
+    integrity.verify_files(checkpoints[-1], [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
+    info = inspect_checkpoint(checkpoints[-1])
+    processes = processes or info.saved_world_size or 1
+    _refuse_other_counts(info, values, processes)
+    with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
+        dump = Path(scratch) / "replay"
+        run_start = _run_start(values, dump) if checkpoint is None else None
+        config = _replay_config(values, checkpoint or run_start, step, dump)
         seen = _replay_on(config, processes)
-        replayed = read_loss_log(Path(folder))[step]
+        replayed = read_loss_log(dump)[step]
     offset_of = token_offsets(config, trusted_module)
-    start = f"checkpoint {checkpoint}" if checkpoint is not None else "the start (no checkpoint before it)"
+    start = (f"checkpoint {checkpoint}" if checkpoint is not None
+             else f"checkpoint {run_start}, the run's checkpoint.initial_load_path" if run_start is not None
+             else "the start (no checkpoint before it)")
     print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
     logged_keys = replayed[SAMPLES_FIELD]
     keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
@@ -175,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Replay one step of a run and compare it with the run's loss log.")
     parser.add_argument("run", type=Path, help="the run's dump folder (job.dump_folder)")
     parser.add_argument("--step", type=int, required=True, help="the step (from 1)")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="processes to replay on (default 1); an ordinary run: the count that trained it")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="processes to replay on (default: the count that trained the run's newest checkpoint; "
+                             "an ordinary run replays only at that count)")
+    parser.add_argument("--checkpoint.folder", dest="folder", default="", metavar="WHERE", help=FOLDER_HELP)
     parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
                         help="the module the run was trained with (job.custom_module): a checkpoint's own is "
                              "never imported unless named here")
     args = parser.parse_args(argv)
     try:
-        return replay(args.run, args.step, args.processes, args.custom_module)
+        return replay(args.run, args.step, args.processes, args.custom_module, args.folder)
     except TorchtitanRngError as err:
         return report(err)
     except ReplayFailed as err:

@@ -97,10 +97,9 @@ def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
         if name not in layout.PARTS:
             raise ConfigError(f"config checkpoint.exclude_from_loading has {name!r}; valid parts: "
                               f"{', '.join(layout.PARTS)}")
-    if not ckpt.enable:
-        if ckpt.initial_load_path or ckpt.load_step >= 0:
-            raise ConfigError("checkpoint.initial_load_path / checkpoint.load_step need --checkpoint.enable")
+    if not ckpt.enable and not ckpt.initial_load_path and ckpt.load_step < 0:
         return None
+    # Without checkpoint.enable a named checkpoint is loaded and nothing is saved: a run that only looks.
     return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
@@ -135,8 +134,6 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
         return StreamPlan("fresh"), None
     world = plan.world
     vetted = vet_for(config, path, checkpointer.run_record, world.world_size, world.device)
-    for line in vetted.warnings:
-        log(line)
     ckpt = config.checkpoint
     keep_loader = plan.loads_dataloader and not vetted.reseed
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
@@ -145,6 +142,8 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     last_step = config.training.steps
     layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                                   if checkpointer.should_save(step, last_step)])
+    for line in vetted.warnings:  # once the resume goes on: a note that it does must not precede a refusal
+        log(line)
     plan.position_data(sampler, train_state.step, vetted.info.saved_world_size, vetted.reseed)
     if not plan.carries_streams:  # each step seeds its own streams
         return StreamPlan("fresh"), path

@@ -17,6 +17,11 @@ imported, for the token offsets, only when the user names it too (``--job.custom
 
 from __future__ import annotations
 
+from torchtitan_rng.errors import exit_without_torch
+
+if __name__ == "__main__":
+    exit_without_torch("samples")  # before the imports below, which need torch: one line, not a traceback
+
 import argparse
 import json
 import sys
@@ -25,6 +30,7 @@ from typing import Any, Callable
 
 from torchtitan_rng.checkpoint import layout, run_record
 from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder, is_url
 from torchtitan_rng.config import JobConfig, from_values
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.models import get_train_spec
@@ -35,15 +41,58 @@ _ORDER_KEYS = ("debug.seed", "training.local_batch_size", "training.global_batch
                "parallelism.world_size_invariant", "data.streaming", "model.name")
 
 
-def run_checkpoints(run: Path) -> list[Path]:
-    """The complete checkpoints of the run (its checkpoint folder is a folder of ``step-N`` folders in RUN)."""
-    found = []
-    for folder in sorted(path for path in [run, *run.iterdir()] if path.is_dir()):
-        found += [layout.step_dir(folder, step) for step in layout.complete_steps(folder)]
+FOLDER_HELP = ("the run's checkpoint.folder when it was not the default: a URL (s3://bucket/prefix) or a folder "
+               "(relative: under RUN)")
+
+
+def run_checkpoints(run: Path, folder: str = "") -> list[Path | Location]:
+    """The complete checkpoints of the run: in ``folder`` (its ``checkpoint.folder``: a URL, or a path under
+    ``run``) when given, else in any folder of ``step-N`` folders in the dump folder ``run``."""
+    if folder:
+        where = checkpoint_folder(run, folder)
+        return [layout.step_dir(where, step) for step in layout.complete_steps(where)]
+    found: list[Path | Location] = []
+    for candidate in sorted(path for path in [run, *run.iterdir()] if path.is_dir()) if run.is_dir() else []:
+        found += [layout.step_dir(candidate, step) for step in layout.complete_steps(candidate)]
     return found
 
 
-def _order_of(checkpoint: Path) -> tuple[dict[str, Any], Any, int | None]:
+def no_checkpoint(run: Path, folder: str, what: str) -> ConfigError:
+    """The refusal of a run without a complete checkpoint where the tool looked (``what``: what it needs)."""
+    where = f"{checkpoint_folder(run, folder)} holds" if folder else f"{run} holds"
+    return ConfigError(f"{where} no complete checkpoint, whose {run_record.RECORD_NAME} records {what}; give the "
+                       "dump folder of a run trained with --checkpoint.enable, and --checkpoint.folder URL when its "
+                       "checkpoints went elsewhere (a checkpoint.folder such as s3://bucket/prefix)")
+
+
+# Recorded values that are paths relative to the folder the run was launched in.
+_LAUNCH_RELATIVE = ("training.dataset_path", "checkpoint.initial_load_path")
+
+
+def launch_folder(run: Path, values: dict[str, Any]) -> Path | None:
+    """The folder the run was launched in, where its relative paths point: ``run`` less its recorded
+    ``job.dump_folder`` when that was relative and ``run`` ends with it (None: not known)."""
+    recorded = Path(values.get("job.dump_folder") or ".")
+    parts = run.resolve().parts
+    if recorded.is_absolute() or not recorded.parts or parts[-len(recorded.parts):] != recorded.parts:
+        return None
+    return Path(*parts[:-len(recorded.parts)])
+
+
+def as_launched(run: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` readable from any folder: no ``job.config_file`` (every value is in the record; the file, named
+    relative to where the run was launched, need not be here), and the relative paths the run was launched with
+    made absolute where that folder is known."""
+    base = launch_folder(run, values)
+    values = {**values, "job.config_file": ""}
+    for key in _LAUNCH_RELATIVE:
+        path = values.get(key) or ""
+        if base is not None and path and not is_url(path) and not Path(path).is_absolute():
+            values[key] = str(base / path)
+    return values
+
+
+def _order_of(checkpoint: Path | Location) -> tuple[dict[str, Any], Any, int | None]:
     record = run_record.read_checked_record(checkpoint)  # checked before any value is read
     if record is None:
         raise ConfigError(f"checkpoint {checkpoint} holds no {run_record.RECORD_NAME} (saved by an older version): "
@@ -51,18 +100,17 @@ def _order_of(checkpoint: Path) -> tuple[dict[str, Any], Any, int | None]:
     return record["config"], record.get("data"), inspect_checkpoint(checkpoint).saved_world_size
 
 
-def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int, JobConfig]:
+def step_samples(run: Path, step: int, folder: str = "") -> tuple[list[list[int]], int, int, JobConfig]:
     """(keys of each micro-batch of ``step``, samples per epoch, processes, the config) of the run in dump folder
-    ``run``."""
-    if not run.is_dir():
+    ``run``, whose checkpoints are in ``folder`` (its ``checkpoint.folder``) when given."""
+    if not run.is_dir() and not folder:
         raise ConfigError(f"{run} is not a folder; give the run's dump folder (job.dump_folder)")
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
-    checkpoints = run_checkpoints(run)
+    checkpoints = run_checkpoints(run, folder)
     if not checkpoints:
-        raise ConfigError(f"{run} holds no complete checkpoint, whose {run_record.RECORD_NAME} records the config "
-                          "that orders the samples; run with --checkpoint.enable (or read the keys that "
-                          "--metrics.log_samples wrote into the loss log)")
+        raise no_checkpoint(run, folder, "the config that orders the samples (or read the keys that "
+                            "--metrics.log_samples wrote into the loss log)")
     orders = [(checkpoint, *_order_of(checkpoint)) for checkpoint in checkpoints]
     newest, values, data, world_size = orders[-1]
     for checkpoint, other, other_data, other_world in orders[:-1]:
@@ -80,10 +128,14 @@ def step_samples(run: Path, step: int) -> tuple[list[list[int]], int, int, JobCo
     if "dataloader" in (values.get("checkpoint.exclude_from_loading") or []):
         raise ConfigError(f"checkpoint {newest} was resumed without its dataloader (checkpoint.exclude_from_loading): "
                           "the data position was reset then and cannot be rebuilt from the record")
+    # The count that trained the step (a world-size-invariant run may be resumed at another): that of the first
+    # checkpoint at or after it, the run having gone on with the newest's after that.
+    world_size = next((count for checkpoint, _, _, count in orders if int(checkpoint.name.split("-")[1]) >= step),
+                      world_size)
     num_samples = (data or {}).get("samples")
     if not isinstance(num_samples, int) or world_size is None:
         raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")
-    config = from_values(values)
+    config = from_values(as_launched(run, values))
     keys = plan_class(config.parallelism).step_sample_keys(config, num_samples, world_size, step)
     return keys, num_samples, world_size, config
 
@@ -117,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Print the sample keys of every micro-batch of a step of a run.")
     parser.add_argument("run", type=Path, help="the run's dump folder (job.dump_folder)")
     parser.add_argument("--step", type=int, required=True, help="the step (from 1)")
+    parser.add_argument("--checkpoint.folder", dest="folder", default="", metavar="WHERE", help=FOLDER_HELP)
     parser.add_argument("--json", action="store_true", help="one JSON object: {\"step\": K, \"samples\": [...]}")
     parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
                         help="the module the run was trained with (job.custom_module), imported for the token "
                              "offsets: a checkpoint's own is never imported unless named here")
     args = parser.parse_args(argv)
     try:
-        keys, num_samples, world_size, config = step_samples(args.run, args.step)
+        keys, num_samples, world_size, config = step_samples(args.run, args.step, args.folder)
     except TorchtitanRngError as err:
         return report(err)
     offset_of = token_offsets(config, args.custom_module)

@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     try:
+        missing = errors.torch_missing("verify_resume")
+        if missing is not None:
+            raise missing
         request = parse_request(args)
         with tempfile.TemporaryDirectory(prefix="verify_resume_") as scratch:
             work = request.keep if request.keep is not None else Path(scratch)

@@ -145,17 +145,40 @@ def test_opt_in_warns_and_follows_the_config(dump: Path) -> None:
 
 @pytest.mark.parametrize("via_run_train", [False, True], ids=["train.py", "run_train.sh"])
 def test_flipped_bit_in_the_newest_shard_is_refused(dump: Path, via_run_train: bool) -> None:
-    """By rank 0 (train.py), or by the launcher before any rank starts (run_train.sh)."""
-    shard = dump / "checkpoint" / f"step-{STOP}" / "__0_0.distcp"
+    """By rank 0 (train.py), or by the launcher before any rank starts (run_train.sh). The advice works when
+    followed: the damaged checkpoint moved out of the folder, the same command resumes from the one before it
+    (control: resuming that one with --checkpoint.load_step instead is refused, as it would save over the
+    damaged one)."""
+    damaged = dump / "checkpoint" / f"step-{STOP}"
+    shard = damaged / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     before = _snapshot(dump)
-    error = _refused(train(dump, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT,
-                           via_run_train=via_run_train, check=False))[0]
-    assert error == (f"error: checkpoint {dump / 'checkpoint' / f'step-{STOP}'} is damaged: __0_0.distcp does not match "
-                     "the checksum written at save (its content changed); pick another with --checkpoint.load_step "
-                     "(or move it away)")
+    command = ("--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT)
+    error = _refused(train(dump, *command, via_run_train=via_run_train, check=False))[0]
+    assert error == (f"error: checkpoint {damaged} is damaged: __0_0.distcp does not match the checksum written at "
+                     "save (its content changed); move it out of the folder (a resume then picks the newest "
+                     "checkpoint before it), or restore it from a copy")
+    assert _snapshot(dump) == before
+    if via_run_train:
+        return
+    older = _refused(train(dump, *command, "--checkpoint.load_step", "2", check=False))[0]
+    assert f"would save over the existing checkpoints {STOP}" in older
+    damaged.rename(dump / "damaged")
+    assert f"resumed from {dump / 'checkpoint' / 'step-2'} at step 2" in train(dump, *command).stdout
+    assert sorted(read_loss_log(dump)) == list(range(1, 9))
+
+
+def test_a_refused_skip_is_not_announced_as_going_on(dump: Path) -> None:
+    """A skip added at a resume for a step the checkpoint has trained: the refusal alone, no note before it saying
+    the run goes on with the new value (tests/e2e/test_spikes.py shows the note where the resume goes on)."""
+    before = _snapshot(dump)
+    proc = train(dump, "--training.steps", "8", "--lr_scheduler.total_steps", str(TOTAL), *CKPT,
+                 "--training.skip_steps", "3", check=False)
+    error = _refused(proc)[0]
+    assert error.startswith(f"error: training.skip_steps adds step(s) 3, which checkpoint {dump / 'checkpoint'}")
+    assert "going on" not in proc.stdout + proc.stderr and "training.skip_steps = '3'" not in proc.stdout
     assert _snapshot(dump) == before
 
 

@@ -1,7 +1,8 @@
 """ExactResumeTrainer (transformers) and ExactResumeCallback (Lightning), real packages on the CPU: a run
 stopped mid-epoch and resumed in a fresh process logs every step's loss bit for bit as the uninterrupted
 run (losses recorded with float.hex per micro-batch, per rank); the stock frameworks, same script and
-stop, differ. Dataset draws from random / numpy / torch in 2 workers; dropout on."""
+stop, differ. Dataset draws from random / numpy / torch in 2 workers; dropout on. The docs' runnable example
+runs as the page writes it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.doc_commands import as_repository, block_after, run_block
 from tests.support.integrations import PRELOAD
 from tests.support.launch import launch, together
 
@@ -96,3 +98,15 @@ def test_lightning_ddp_signal_resumes_bitwise(tmp_path: Path) -> None:
 def test_lightning_stock_differs(tmp_path: Path) -> None:
     a, b = _lightning(tmp_path, ("--save-every", "3", "--max-steps", "3"), "step=3.ckpt", stock=True)
     assert b != a
+
+
+def test_the_hf_example_runs_as_the_docs_write_it(tmp_path: Path) -> None:
+    """docs/integrations.md's runnable example as written, in a folder laid out as the repository: a first
+    launch, one stopped by a SIGTERM during step 5, the same command again, and the comparison of the two loss
+    logs, exit 0 with the lines the page shows."""
+    proc = run_block(block_after("integrations.md", "### A runnable example"), as_repository(tmp_path / "repo"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("stopped by SIGTERM at step 6: checkpoint-6 saved in stopped/checkpoints; "
+            "train(resume_from_checkpoint=True) resumes it") in proc.stderr
+    assert "preempted (SIGTERM): run the same command again to resume" in proc.stdout.splitlines()
+    assert proc.stdout.strip().splitlines()[-1] == "identical: 12 steps (1..12) with bitwise-equal losses"

@@ -13,6 +13,9 @@ preflight refuses before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +26,7 @@ import pytest
 from tests.support.checks import assert_every_line_matches, assert_refused, rewrite_checkpoint
 from tests.support.launch import together, train
 from tests.support.object_store import s3, s3_server
+from torchtitan_rng import samples
 from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 
@@ -35,6 +39,14 @@ STORE = ("--checkpoint.folder", RUN, "--checkpoint.async_mode", "async", "--chec
 SIGNED = ("--checkpoint.signing_key_env", KEY_ENV)
 # Entries of the run's prefix that the run did not write (added before the last run): never loaded or pruned.
 FOREIGN_COPY, FOREIGN_FILE = "step-999", "step-998"
+
+
+def _samples(dump: Path, *args: str) -> tuple[int, str, str]:
+    """``python -m torchtitan_rng.samples DUMP --step 6 --json ARGS``, in this process (which reaches the store)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = samples.main([str(dump), "--step", "6", "--json", *args])
+    return code, out.getvalue(), err.getvalue()
 
 
 def _download(url: str, local: Path) -> None:
@@ -119,6 +131,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_proc
                           "--lr_scheduler.total_steps", "4", "--checkpoint.keep_latest_k", "1"))
         facts["links"], facts["saved"] = links, saved
         facts["after_resume"] = layout.scan(RUN)
+        facts["samples"] = {where: _samples(dump, *where) for where in [(), ("--checkpoint.folder", RUN)]}
         facts["objects"] = sorted(s3().find(f"{BUCKET}/run/checkpoint"))
         launch = {"nproc": 2, "check": False}
         facts["signed_tampered"], facts["damaged"], facts["no_key"] = together(
@@ -141,6 +154,17 @@ def test_stopped_killed_during_upload_and_resumed_on_s3_equals_the_uninterrupted
     resumed = store["resumed"]
     assert f"resumed from {RUN}/step-4 at step 4" in resumed.stdout
     assert_every_line_matches(store["reference"], store["root"] / "run")  # steps 5-6 logged twice
+
+
+def test_samples_reads_a_runs_checkpoints_on_the_store(store: dict) -> None:
+    """The run's dump folder holds its loss log only: ``samples`` given the URL (--checkpoint.folder) lists step 6,
+    one list of 8 keys per process; without it, one line saying to give it."""
+    code, out, err = store["samples"][("--checkpoint.folder", RUN)]
+    assert code == 0, err
+    assert [len(keys) for keys in json.loads(out)["samples"]] == [8, 8]
+    code, out, err = store["samples"][()]
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "holds no complete checkpoint" in err and "--checkpoint.folder URL" in err
 
 
 def test_keep_latest_k_prunes_only_complete_checkpoints_the_run_wrote(store: dict) -> None:

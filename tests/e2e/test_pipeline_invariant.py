@@ -64,7 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         together(lambda: train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
                                str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP)),
                  lambda: replayed.setdefault("tool", launch(
-                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1)])))
+                     [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1),
+                      "--processes", "1"])))
 
     together(pp_dp_then_replay, *(lambda name=name: layout(name) for name in LAYOUTS if name != "pp2_dp2"),
              lambda: train(dumps["ordinary_pp1"], *ORDINARY),

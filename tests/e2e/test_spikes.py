@@ -90,10 +90,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         lambda: train(dumps["control"], *COMMON, *skip, "--job.custom_module", "tests.support.skip_without_data",
                       env=SPIKES),  # no workers: they change no bit, and the control is the cheaper
         lambda: (train(dumps["invariant_launch"], *INVARIANT, *skip, nproc=2, env=SPIKES, config=FLUX),
-                 _replay(dumps["invariant_launch"], REPLAYED)),
+                 _replay(dumps["invariant_launch"], REPLAYED, "--processes", "1")),
         lambda: _stopped_and_resumed(dumps["invariant_guard"], (*INVARIANT, *GUARD), (*INVARIANT, *GUARD), FLUX),
         lambda: (train(dumps["ordinary_2"], *COMMON, *GUARD, "--training.dataset_path", str(tokens), nproc=2,
-                       env=SPIKES), _replay(dumps["ordinary_2"], REPLAYED, "--processes", "2"))[0],
+                       env=SPIKES), _replay(dumps["ordinary_2"], REPLAYED))[0],  # by default at its count, 2
         # One after the other: the second compiles from the first's cache (the same graphs).
         lambda: (train(dumps["compiled_launch"], *COMPILED, *skip, env=SPIKES),
                  train(dumps["compiled_guard"], *COMPILED, *GUARD, env=SPIKES))[1],

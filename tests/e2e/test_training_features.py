@@ -113,5 +113,5 @@ def test_several_resumes_in_a_row(tmp_path: Path) -> None:
 def test_global_batch_size_must_divide(tmp_path: Path) -> None:
     proc = train(tmp_path, "--training.global_batch_size", "12", check=False)
     assert_refused(proc, "training.global_batch_size = 12 is not a multiple of local_batch_size x data-parallel "
-                         "size = 8 x 1 = 8; choose a multiple")
+                         "size = 8 x 1 = 8; for a new run, choose a multiple")
     assert not os.listdir(tmp_path)

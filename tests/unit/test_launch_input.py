@@ -112,3 +112,21 @@ def test_help(entry: str, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+
+
+# The tools that need torch, each with arguments that, under a Python with torch, are refused without a run.
+TOOLS = {"verify_resume": ["--config", str(DEBUG_CONFIG), "--steps", "two", "--stop-at", "1"],
+         "replay": ["RUN", "--step", "1"], "samples": ["RUN", "--step", "1"]}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tools_under_a_python_without_torch(tool: str, bare_python: Path, tmp_path: Path) -> None:
+    """One line naming the Python and what to do, exit 2, nothing written (not a FAIL verdict, not a traceback).
+    Control: under the Python that has torch the same command gets past that point (to its own refusal)."""
+    command = ["-m", f"torchtitan_rng.{tool}", *TOOLS[tool]]
+    proc = _run([str(bare_python), *command], tmp_path)
+    assert_refused(proc, f"{bare_python} cannot import torch, which python -m torchtitan_rng.{tool} needs",
+                   "run it with the Python that trains")
+    assert list(tmp_path.iterdir()) == []
+    control = _run([sys.executable, *command], tmp_path)
+    assert control.returncode == 2 and "cannot import torch" not in control.stderr, control.stderr

@@ -165,8 +165,8 @@ def test_a_flipped_bit_is_refused_naming_the_file(checkpoint: Path, name: str) -
     with pytest.raises(CheckpointError) as refused:
         verify_integrity(checkpoint)
     assert str(refused.value) == (f"checkpoint {checkpoint} is damaged: {name} does not match the checksum written "
-                                  "at save (its content changed); pick another with load_step= (or move "
-                                  "it away)")
+                                  "at save (its content changed); move it out of the folder (a resume then "
+                                  "picks the newest checkpoint before it), or restore it from a copy")
 
 
 def test_truncated_and_missing_files_are_refused(checkpoint: Path) -> None:
@@ -205,8 +205,10 @@ def test_sum_sees_moved_blocks_and_every_single_bit(tmp_path: Path) -> None:
 
 # --- the run lock and the ranks that joined it ---------------------------------------------------------
 
-def test_lock_is_not_taken_over_while_a_rank_lives(tmp_path: Path) -> None:
-    """The launcher (holder) is dead; a rank that joined it is alive: refused. Once the rank is gone: taken over."""
+def test_lock_is_not_taken_over_while_a_rank_lives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher (holder) is dead; a rank that joined it is alive: refused (after the wait for ranks whose
+    launcher is gone, shortened here). Once the rank is gone: taken over."""
+    monkeypatch.setattr(run_lock, "ORPHANS_EXIT_S", 0.2)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     host = socket.gethostname()
@@ -228,6 +230,52 @@ def test_lock_is_not_taken_over_while_a_rank_lives(tmp_path: Path) -> None:
     taken = run_lock.acquire(tmp_path)
     assert taken.owned
     taken.release()
+
+
+def _orphaned_lock(folder: Path, rank: int) -> None:
+    """The lock of a launcher that is gone (SIGKILLed), with ``rank`` joined to it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    run_lock.lock_path(folder).write_text(
+        json.dumps({"pid": int(dead.stdout), "host": host, "started": "earlier", "token": "t"}) + "\n"
+        + json.dumps({"pid": rank, "host": host}))
+
+
+def test_a_restart_right_after_a_kill_waits_for_the_exiting_ranks(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole job SIGKILLed and started again at once: its rank is still exiting when the new run looks. The
+    lock is taken once the rank has exited, within the bounded wait (here the rank ends at the wait's first
+    pause). Control: without the wait, the same moment is refused ("still run")."""
+    def rank_and_lock() -> subprocess.Popen:
+        rank = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        _orphaned_lock(tmp_path, rank.pid)
+        return rank
+
+    rank = rank_and_lock()
+    monkeypatch.setattr(run_lock, "ORPHANS_EXIT_S", 0.0)
+    with pytest.raises(run_lock.RunLockError, match=rf"its ranks {rank.pid} still run"):
+        run_lock.acquire(tmp_path)
+    rank.communicate(b"")
+    rank = rank_and_lock()
+    monkeypatch.setattr(run_lock, "ORPHANS_EXIT_S", 60.0)
+    monkeypatch.setattr(run_lock.time, "sleep", lambda _: rank.communicate(b""))  # the rank exits meanwhile
+    taken = run_lock.acquire(tmp_path)
+    assert taken.owned and rank.returncode == 0
+    taken.release()
+
+
+def test_an_exited_rank_not_yet_reaped_does_not_hold_the_lock(tmp_path: Path) -> None:
+    """A rank that has exited but whose parent has not reaped it (a zombie) runs no more: the lock is taken at
+    once. Control: the process exists (a signal reaches it) until it is reaped."""
+    rank = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, rank.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
+    os.kill(rank.pid, 0)
+    assert not run_lock.pid_alive(rank.pid) and run_lock.pid_alive(os.getpid())
+    _orphaned_lock(tmp_path, rank.pid)
+    taken = run_lock.acquire(tmp_path)
+    assert taken.owned
+    taken.release()
+    rank.wait()
 
 
 # --- format numbers ----------------------------------------------------------------------------------------

@@ -139,12 +139,16 @@ def verify_integrity(folder: Location | Path) -> bool:
     return verify_files(folder)
 
 
+# What a resume says to do with a damaged checkpoint. Not "pick another with load_step=": resumed from an older
+# one, the run would save over the damaged one and is refused for it.
+RESUME_ADVICE = ("move it out of the folder (a resume then picks the newest checkpoint before it), or restore it from "
+                 "a copy")
 # What a tool that reads a checkpoint without loading it says to do with a damaged one (no load_step= there).
 TOOL_ADVICE = "restore it from a copy, or move it away and pick another step"
 
 
 def verify_files(folder: Location | Path, names: Iterable[str] | None = None,
-                 advice: str = "pick another with load_step= (or move it away)") -> bool:
+                 advice: str = RESUME_ADVICE) -> bool:
     """:func:`verify_integrity` of the files ``names`` only (None: every recorded file), for a reader that
     reads just those (``run.json``, ``.metadata``): a named file the checksums do not list is damage too, as a
     save lists every file it writes. ``advice``: what the refusal says to do."""

@@ -98,7 +98,7 @@ def read_record(checkpoint: Location | Path) -> dict[str, Any] | None:
         record = None
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} is damaged (not the JSON this trainer "
-                               "writes); pick another checkpoint with load_step=")
+                               f"writes); {integrity.RESUME_ADVICE}")
     if not isinstance(record.get("format", 1), int) or record.get("format", 1) > _FORMAT:
         raise ConfigDriftError(f"checkpoint {checkpoint}: {RECORD_NAME} has format {record.get('format')!r}, newer "
                                f"than this torchtitan_rng reads ({_FORMAT}); resume it with the version that saved it "

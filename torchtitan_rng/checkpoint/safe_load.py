@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from torchtitan_rng.checkpoint.integrity import RESUME_ADVICE
 from torchtitan_rng.checkpoint.layout import first_line, saved_world_size
 from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import CheckpointError
@@ -150,7 +151,7 @@ def inspect_checkpoint(path: Location | Path) -> CheckpointInfo:
     except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
         raise CheckpointError(
             f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
-            f"{first_line(err)}); pick another with load_step="
+            f"{first_line(err)}); {RESUME_ADVICE}"
         ) from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -158,9 +159,8 @@ def inspect_checkpoint(path: Location | Path) -> CheckpointInfo:
     for name, size in sorted(needed.items()):
         shard = path / name
         if not shard.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; pick another "
-                                  "with load_step=")
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; {RESUME_ADVICE}")
         if shard.size() < size:
             raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is truncated "
-                                  f"({shard.size()} bytes, {size} expected); pick another with load_step=")
+                                  f"({shard.size()} bytes, {size} expected); {RESUME_ADVICE}")
     return CheckpointInfo(path, metadata)

@@ -31,6 +31,8 @@ from torchtitan_rng.errors import CheckpointError
 
 # A URL's scheme (two letters at least: "C:" is a Windows drive, not a scheme).
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
+# A scheme with one slash ("s3:/bucket/x"): a URL mistyped, never a folder anyone meant.
+_ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
 # Which extra installs a backend that fsspec does not bring itself.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _READ_CHUNK = 64 * 2**20  # a multiple of the checksum's block (integrity.BLOCK_BYTES)
@@ -335,10 +337,21 @@ def is_url(where: str | Path) -> bool:
     return isinstance(where, str) and _URL.match(where) is not None
 
 
+def _refuse_one_slash(where: str) -> None:
+    mistyped = _ONE_SLASH.match(where)
+    if mistyped:
+        scheme, rest = mistyped.group(1), where[mistyped.end():]
+        url = f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+        raise CheckpointError(f"{where!r} is not a URL (one slash after {scheme}:) and is not taken for a folder; "
+                              f"write {url}")
+
+
 def locate(where: str | Path | Location) -> Location:
     """The location a path (local) or a URL (``file://`` is local; any other scheme through fsspec) names."""
     if isinstance(where, Location):
         return where
+    if isinstance(where, str):
+        _refuse_one_slash(where)
     if not is_url(where):
         return Location(_LOCAL, os.fspath(where))
     url = str(where)
@@ -360,4 +373,5 @@ def locate(where: str | Path | Location) -> Location:
 
 def checkpoint_folder(dump_folder: str | Path, folder: str) -> Location:
     """Where a run's checkpoints go: ``folder`` under the dump folder, or ``folder`` itself when it is a URL."""
+    _refuse_one_slash(folder)
     return locate(folder) if is_url(folder) else locate(Path(dump_folder) / folder)

@@ -12,10 +12,13 @@
 * evaluation runs under preserved streams: evaluating at a step (an ``eval_steps`` step, the evaluation
   at the end of ``max_steps``) moves no training stream, so a checkpoint saved after it resumes exactly;
 * during ``train()`` only, SIGTERM / SIGUSR1 set a flag; at the next optimizer step all processes agree
-  (one all-reduce), save a checkpoint at that step and stop. The handlers found before ``train()`` are
+  (one all-reduce), save a checkpoint at that step and stop, saying so in one line; ``trainer.stopped_by`` is
+  then the signal's name (None after a ``train()`` that ran to its end). The handlers found before ``train()`` are
   back after it. This trainer is the one owner of SIGTERM: with ``enable_jit_checkpoint=True`` the stock
   JIT checkpoint's SIGTERM handler (which saves in the middle of a step, on each process on its own) is
-  taken back; its callback stays, inert.
+  taken back; its callback stays, inert;
+* ``train(resume_from_checkpoint=True)`` starts afresh, with one line, when ``output_dir`` holds no checkpoint
+  yet (the stock Trainer raises): one job script serves the first launch and every resumption.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import transformers
 from torch.utils.data import IterableDataset
 from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from torchtitan_rng import signals
 from torchtitan_rng.distributed import StopVote
@@ -53,6 +57,7 @@ class _ExactResumeCallback(transformers.TrainerCallback):
     def __init__(self) -> None:
         self.vote: StopVote | None = None
         self.stopping = False
+        self.stopped_by: str | None = None  # the signal the last train() stopped for, once its checkpoint is saved
         # (epoch, optimizer steps per epoch, micro-batches per epoch) while in a resumed epoch.
         self.resumed_epoch: tuple[int, int, int] | None = None
 
@@ -60,6 +65,7 @@ class _ExactResumeCallback(transformers.TrainerCallback):
                        control: transformers.TrainerControl, **kwargs: Any) -> None:
         self.vote = StopVote()  # every process starts training here, with its process group up
         self.stopping = False
+        self.stopped_by = None
 
     def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                     control: transformers.TrainerControl, **kwargs: Any) -> None:
@@ -80,7 +86,11 @@ class _ExactResumeCallback(transformers.TrainerCallback):
     def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                 control: transformers.TrainerControl, **kwargs: Any) -> None:
         if self.stopping:
+            self.stopped_by = signals.received() or "a signal to another process"
             signals.acknowledge()
+            if args.process_index == 0:
+                log.warning("stopped by %s at step %d: checkpoint-%d saved in %s; train(resume_from_checkpoint=True) "
+                            "resumes it", self.stopped_by, state.global_step, state.global_step, args.output_dir)
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: Any) -> None:
@@ -160,10 +170,23 @@ class ExactResumeTrainer(transformers.Trainer):
         )
         return self._exact_loader
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def stopped_by(self) -> str | None:
+        """The signal the last ``train()`` stopped for, after saving its checkpoint (``"SIGTERM"``...); None when
+        it ran to its end: a script tells a preempted run from a finished one."""
+        return self._exact.stopped_by
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        output_dir = self.args.output_dir
+        fresh = not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None
+        if resume_from_checkpoint is True and fresh:
+            if self.args.process_index == 0:
+                log.warning("resume_from_checkpoint=True: %s holds no checkpoint yet; training from the start",
+                            output_dir)
+            resume_from_checkpoint = None
         try:
             with signals.handling():
-                return super().train(*args, **kwargs)
+                return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if self._exact_loader is not None:
                 self._exact_loader.close()

@@ -17,6 +17,10 @@ collate_fn, shuffle or not). Then:
   which stops at the end of the batch without saving and broadcasts from inside the handler, is set
   aside): a signal sets a flag; after the next optimizer step all ranks agree (one all-reduce), save
   ``preempted-step=N.ckpt`` at that step and stop. The handlers found before ``fit()`` are back after it.
+  ``fit(ckpt_path="last")`` finds the files of a ``ModelCheckpoint(save_last=True)`` only (Lightning's rule; such
+  a one saves its last file at the end of the stopped ``fit()``); a ``fit()`` that loads no checkpoint while the
+  folder holds a preempted one says so in one warning naming it: a preempted run is never trained again from
+  step 1 silently.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
@@ -70,6 +75,7 @@ class ExactResumeCallback(L.Callback):
         self._unheeded: signals.Scope | None = None
         self._streams_before_validation: dict[str, Any] | None = None
         self._to_load: list[dict[str, Any]] | None = None  # this rank's loader state from the checkpoint
+        self._resumed = False  # this fit() loaded a checkpoint
 
     # -- start and end of training -------------------------------------------------------------------
 
@@ -78,6 +84,7 @@ class ExactResumeCallback(L.Callback):
         source = trainer.fit_loop._data_source
         if stage == "fit" and not isinstance(source.dataloader, _ExactRequest):
             source.dataloader = _ExactRequest(source.dataloader, self.seed)
+        self._resumed = False
 
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._own_signals(trainer)
@@ -91,6 +98,8 @@ class ExactResumeCallback(L.Callback):
             self._loaders[0].load_state_dict(self._to_load[0])
             self._to_load = None
         self.preempted_checkpoint = None
+        if not self._resumed:
+            self._warn_if_preempted(trainer)
         self._vote = StopVote()  # every rank starts training here, with its process group up
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         if not isinstance(val_loop.run, _PreservingStreams):
@@ -174,6 +183,7 @@ class ExactResumeCallback(L.Callback):
             raise ValueError(f"this checkpoint holds the loaders of {len(by_rank)} ranks and this run has {world}: "
                              f"resume with {len(by_rank)} processes for an exact resume")
         self._to_load = by_rank[rank]  # loaded into the train loader at the start of training
+        self._resumed = True
 
     # -- the stop on a signal ----------------------------------------------------------------------------
 
@@ -188,12 +198,24 @@ class ExactResumeCallback(L.Callback):
             self._save_preempted(trainer)
             trainer.should_stop = True
 
+    def _folder(self, trainer: L.Trainer) -> Path:
+        return self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+
     def _save_preempted(self, trainer: L.Trainer) -> None:
-        folder = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
-        path = folder / f"preempted-step={trainer.global_step}.ckpt"
+        path = self._folder(trainer) / f"preempted-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)  # a collective: every rank is here at the same step
         self.preempted_checkpoint = path
         signals.acknowledge()
+
+    def _warn_if_preempted(self, trainer: L.Trainer) -> None:
+        """A fit() that loaded no checkpoint beside a preempted one (``ckpt_path`` left out, or ``"last"`` with
+        no ModelCheckpoint keeping a last file): one warning naming it, as its steps are about to be trained
+        again from the start."""
+        found = sorted(self._folder(trainer).glob("preempted-step=*.ckpt"), key=lambda path: path.stat().st_mtime)
+        if found:
+            rank_zero_warn(f"{found[-1]} holds a preempted run and this fit() loaded no checkpoint: it trains from "
+                           f"step 1; to resume it pass ckpt_path=\"{found[-1]}\" (ckpt_path=\"last\" finds it only "
+                           "through a ModelCheckpoint(save_last=True))")
 
 
 def _as_exact_loader(loader: Any, seed: int | None) -> Any:

@@ -37,6 +37,10 @@ LOCK_NAME = ".run.lock"
 TOKEN_ENV = "TORCHTITAN_RNG_RUN_LOCK"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
+# How long ranks whose launcher is gone may take to exit before a new run is refused: they were SIGKILLed with it
+# (orphans.py) and are exiting, which freeing a large process's memory can take seconds.
+ORPHANS_EXIT_S = 30.0
+_POLL_S = 0.05
 
 
 class RunLockError(TorchtitanRngError, RuntimeError):
@@ -76,13 +80,28 @@ def _live_ranks(path: Path) -> list[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and has not exited (a zombie, not yet reaped by its parent, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
-        return True
-    return True
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone meanwhile; or no /proc (not Linux): the signal's answer stands
+        return not os.path.isdir("/proc/self")
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # the state, after the command's "(name)"
+
+
+def _wait_for_orphans(path: Path, holder: dict[str, Any] | None) -> None:
+    """When the lock's launcher is gone from this host, wait up to ``ORPHANS_EXIT_S`` for its ranks to exit: a
+    restart the instant after a SIGKILL of the whole job finds them still exiting, condemned with it."""
+    if holder is None or holder.get("host") != socket.gethostname() or pid_alive(int(holder.get("pid", -1))):
+        return
+    deadline = time.monotonic() + ORPHANS_EXIT_S
+    while _live_ranks(path) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def _is_stale(path: Path, holder: dict[str, Any] | None) -> bool:
@@ -163,6 +182,7 @@ def acquire(dump_folder: str | Path) -> RunLock:
             holder = _read(path)
             if inherited and holder is not None and holder.get("token") == inherited:
                 return RunLock(path, inherited, owned=False)
+            _wait_for_orphans(path, holder)
             if not _is_stale(path, holder):
                 raise RunLockError(
                     f"dump folder {path.parent} is in use by another run ({describe(holder, _live_ranks(path))}; lock "

@@ -1,0 +1,39 @@
+"""The commands of a docs page, run as a user copies them: the ```bash block after a heading (or a line of the
+page), run by bash in a folder laid out as the repository, so that ``./run_train.sh``, ``examples/...`` and
+relative outputs mean what the page says, with ``python`` and ``run_train.sh``'s interpreter this one."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.launch import REPO, launch, run_env
+
+_NOT_LINKED = {".git", ".venv", "outputs"}
+
+
+def block_after(page: str, marker: str) -> str:
+    """The first ```bash block after ``marker`` (a heading or any text) in docs/``page``."""
+    text = (REPO / "docs" / page).read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index(marker):], re.S)
+    assert block is not None, f"no bash block after {marker!r} in {page}"
+    return block.group(1)
+
+
+def as_repository(folder: Path) -> Path:
+    """``folder`` (made) with every top-level entry of the repository linked into it."""
+    folder.mkdir(parents=True)
+    for entry in REPO.iterdir():
+        if entry.name not in _NOT_LINKED:
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+def run_block(block: str, folder: Path, processes: int = 1) -> subprocess.CompletedProcess:
+    """``block`` as one bash script (stopping at the first command that fails) in ``folder``."""
+    env = run_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                   "PYTHON": sys.executable})
+    return launch(["bash", "-e", "-c", block], env=env, cwd=folder, processes=processes)
