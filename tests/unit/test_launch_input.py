@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checks import assert_refused
-from tests.support.launch import REPO, run_env
+from tests.support.launch import REPO, launch, run_env
 
 RUN_TRAIN = REPO / "run_train.sh"
 DEBUG_CONFIG = REPO / "train_configs" / "llama_debug.toml"
@@ -128,5 +128,5 @@ def test_tools_under_a_python_without_torch(tool: str, bare_python: Path, tmp_pa
     assert_refused(proc, f"{bare_python} cannot import torch, which python -m torchtitan_rng.{tool} needs",
                    "run it with the Python that trains")
     assert list(tmp_path.iterdir()) == []
-    control = _run([sys.executable, *command], tmp_path)
+    control = launch([sys.executable, *command], cwd=tmp_path)  # forked warm: this Python's torch is imported
     assert control.returncode == 2 and "cannot import torch" not in control.stderr, control.stderr
