@@ -67,3 +67,93 @@ def test_saved_stream_ranks_counts_a_real_checkpoints_rank_keys(tmp_path: Path) 
     keys = SafeFileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
     assert saved_stream_ranks(keys) == 2
     assert saved_stream_ranks([key for key in keys if not key.startswith("torchtitan_rng.")]) == 0
+
+
+def _checkpoint(folder: Path, layout: dict[str, int], seeds: list[int]) -> Path:
+    """A real DCP checkpoint of the plug-in's streams part as ``len(seeds)`` ranks save it (rank r's streams
+    seeded with ``seeds[r]``), with the run record's layout."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_rng.checkpoint.run_record import make_record, write_record
+    from torchtitan_rng.checkpoint.train_state import TrainState
+
+    part: dict = {}
+    for rank, seed in enumerate(seeds):
+        torch.manual_seed(seed)
+        part.update(TrainState(torch.device("cpu"), rank=rank, world_size=len(seeds)).state_dict())
+    dcp.save({"torchtitan_rng": part}, checkpoint_id=str(folder), no_dist=True)
+    write_record(folder, dict(make_record({}, None), layout=layout))
+    return folder
+
+
+def _load_as(checkpoint: Path, rank: int, layout: dict[str, int]) -> object:
+    """The plug-in's ``dcp_load`` of ``checkpoint`` as rank ``rank`` of a run with ``layout`` (the manager
+    without a trainer: only what ``dcp_load`` reads); the rank's TrainState after the load."""
+    import types
+
+    import torch
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from torchtitan_rng.checkpoint.train_state import TrainState
+    from torchtitan_rng.integrations.torchtitan import ExactResumeCheckpointManager
+
+    manager = ExactResumeCheckpointManager.__new__(ExactResumeCheckpointManager)
+    manager.states = {}
+    manager.streams = TrainState(torch.device("cpu"), rank=rank, world_size=layout["world_size"])
+    # The record holds no config keys, so the drift check compares none: an empty config stands for the run.
+    manager.trainer = types.SimpleNamespace(parallel_dims=ParallelDims(**layout),
+                                            config=types.SimpleNamespace(to_dict=dict))
+    manager.dcp_load({"torchtitan_rng": manager.streams}, str(checkpoint), from_hf=False, from_quantized=False)
+    return manager.streams
+
+
+def _seeded_by(streams: object, seed: int) -> bool:
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.equal(streams.loaded["rng"]["torch_cpu"], torch.get_rng_state())  # type: ignore[attr-defined]
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.levelname == "WARNING" and record.getMessage().startswith("torchtitan_rng:")]
+
+
+def test_more_processes_each_rank_loads_its_own_or_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    checkpoint = _checkpoint(tmp_path / "one", ONE, seeds=[11])
+    with caplog.at_level("WARNING"):
+        first = _load_as(checkpoint, 0, TWO)
+    [line] = _warnings(caplog)
+    assert "saved by 1 process (no parallelism) and this run has 2 processes (dp_shard 2)" in line
+    assert _seeded_by(first, 11)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        new = _load_as(checkpoint, 1, TWO)
+    assert new.loaded is None  # type: ignore[attr-defined]  # keeps the streams seeded at start: not rank 0's
+    assert not _warnings(caplog), "only rank 0 names the layouts"
+    # Control: without the plug-in's rule the new rank's load fails (DCP: the key is missing).
+    import torch
+
+    from torchtitan_rng.checkpoint.train_state import TrainState
+
+    with pytest.raises(CheckpointException):
+        dcp.load({"torchtitan_rng": TrainState(torch.device("cpu"), rank=1, world_size=2)},
+                 checkpoint_id=str(checkpoint), no_dist=True)
+
+
+def test_fewer_processes_rank_0_loads_rank_0s_streams(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint = _checkpoint(tmp_path / "two", TWO, seeds=[11, 12])
+    with caplog.at_level("WARNING"):
+        only = _load_as(checkpoint, 0, ONE)
+    assert _seeded_by(only, 11) and not _seeded_by(only, 12)
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "the streams saved by rank 1 are not used" in lines[0], lines
+    # Control: the same layout loads as quietly as it restores rank for rank.
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        second = _load_as(checkpoint, 1, TWO)
+    assert _seeded_by(second, 12) and not _warnings(caplog)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import Stateful
 
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
@@ -163,6 +163,42 @@ class WorkerRNGDataset(Dataset):
         if "dataset" in state and isinstance(self.dataset, Stateful):
             self.dataset.load_state_dict(state["dataset"])
         # Only inside a worker: in the main process TrainState owns these streams.
+        if "worker_rng" in state and get_worker_info() is not None:
+            restore_worker_rng(state["worker_rng"])
+
+
+class WorkerRNGIterableDataset(IterableDataset):
+    """Wraps an iterable dataset (one that draws inside ``__iter__``, such as a streaming loader's); Stateful,
+    so StatefulDataLoader saves and restores each worker's streams with that worker's dataset state.
+
+    The streams sit beside the wrapped dataset's own keys (``worker_rng``), so a checkpoint reads the same to
+    the dataset without the wrapper (its ``load_state_dict`` is handed its own keys), and a checkpoint saved
+    without the wrapper loads into it (the worker then keeps the streams its loader seeded)."""
+
+    adds_no_randomness = True
+
+    def __init__(self, dataset: IterableDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        return iter(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling): no recursion through the line below
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = dict(self.dataset.state_dict()) if isinstance(self.dataset, Stateful) else {}
+        if get_worker_info() is not None:
+            state["worker_rng"] = capture_worker_rng()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        own = {key: value for key, value in state.items() if key != "worker_rng"}
+        if isinstance(self.dataset, Stateful):
+            self.dataset.load_state_dict(own)
+        # Only inside a worker: in the main process the training streams are restored by the trainer.
         if "worker_rng" in state and get_worker_info() is not None:
             restore_worker_rng(state["worker_rng"])
 

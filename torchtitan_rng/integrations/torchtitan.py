@@ -31,13 +31,18 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * a checkpoint without streams (saved by stock torchtitan) resumes with one WARNING line and fresh streams;
   a checkpoint of the plug-in resumes in stock torchtitan, which does not ask DCP for the extra key.
 
-Data randomness: the stock text loaders draw nothing at random. A dataset of your own that draws in
-``__getitem__`` should derive its randomness per sample (``torchtitan_rng.data.sample_rng``) or, with
-``num_workers > 0``, carry its workers' streams (``torchtitan_rng.data.worker_rng.WorkerRNGDataset``).
+* with ``--dataloader.num_workers`` > 0, each loader worker's streams (Python, NumPy, torch CPU) in the
+  loader's per-worker state (:func:`carry_worker_streams`): a dataset that draws inside its workers (Flux's
+  random crop and caption dropout, drawn in ``__iter__``) continues its streams at a resume instead of
+  restarting them from the loader's seed; a loader whose workers' state cannot be carried is named.
 
-It also provides ``torch.distributed.set_timeout`` where torch lacks it (torch 2.13 and older): torchtitan
-0.3.0 calls it after the first step of every process. The stand-in sets each group's timeout through
-``ProcessGroup.set_timeout``, which those versions have.
+Data randomness: the stock text loaders draw nothing at random; Flux's dataset draws, in the process that
+iterates it (the trainer's, or a loader worker's).
+
+It also provides what torchtitan 0.3.0 calls and torch 2.13 (and older) lacks: ``torch.distributed.set_timeout``
+(called after the first step of every process; the stand-in sets each group's timeout through
+``ProcessGroup.set_timeout``, which those versions have) and the pipeline schedules' ``step`` with
+pre-split micro-batches (:func:`provide_presplit_step`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
 from torchtitan.components.metrics import _get_metrics_rank
 from torchtitan.config.override import derive, override
@@ -60,6 +67,7 @@ from torchtitan_rng.checkpoint.layout import rank_key
 from torchtitan_rng.checkpoint.run_record import make_record, read_record, write_record
 from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.data.worker_rng import WorkerRNGDataset, WorkerRNGIterableDataset, uses_global_rng
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
@@ -85,7 +93,51 @@ def provide_set_timeout() -> None:
     dist.set_timeout = set_timeout  # type: ignore[attr-defined]
 
 
+def provide_presplit_step() -> None:
+    """torchtitan 0.3.0 runs pipeline parallelism with micro-batches it has split itself:
+    ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`` (and ``eval`` the same way). torch releases up
+    to 2.13 take only whole-batch inputs there, and read those keywords as model inputs (``ValueError: Expecting
+    2 arg_mbs but got 1`` at step 1). Where the schedules lack them, ``step`` takes them as torch 2.14 does: the
+    schedule runs the given micro-batches, unsplit; a call without them is torch's own. A torch that has
+    them keeps its own."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    for schedule in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "arg_mbs" in inspect.signature(schedule.step).parameters:
+            continue
+        schedule.step = _presplit_step(schedule.step)  # type: ignore[method-assign]
+
+
+def _presplit_step(whole_batch: Any) -> Any:
+    def step(self: Any, *args: Any, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs: Any) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return whole_batch(self, *args, **kwargs)
+        if args or kwargs.get("target") is not None:
+            raise TypeError("schedule.step takes whole-batch inputs or micro-batches (arg_mbs, kwarg_mbs, "
+                            "target_mbs), not both")
+        run = self._step_microbatches
+
+        def given_microbatches(_args: list, _kwargs: list, _targets: list | None, *rest: Any,
+                               **options: Any) -> Any:
+            return run(arg_mbs, kwarg_mbs, target_mbs, *rest, **options)
+
+        # torch's step does everything around the micro-batches (stage flags, cleared state, merged outputs);
+        # with no whole-batch input its split yields empty micro-batches, replaced here by the given ones.
+        self._step_microbatches = given_microbatches
+        try:
+            return whole_batch(self, **kwargs)
+        finally:
+            del self._step_microbatches
+
+    step.__doc__ = whole_batch.__doc__
+    return step
+
+
 provide_set_timeout()
+provide_presplit_step()
 
 
 # Config keys (``section.key`` or whole sections, ``section.*``) that cannot change the losses a resume trains:
@@ -217,6 +269,32 @@ def attach_loss_log(trainer: Any) -> LossLogWriter | None:
     return writer
 
 
+def carry_worker_streams(loader: Any, carry: bool = True) -> str | None:
+    """Let each of ``loader``'s workers carry its streams across a resume; the WARNING line where they are not.
+
+    A StatefulDataLoader saves each worker's dataset state, taken inside the worker after each batch, and hands
+    it back to the same worker at a resume, after the worker has seeded its streams from the loader's seed: the
+    dataset, wrapped (``WorkerRNGIterableDataset``, or ``WorkerRNGDataset`` for a map-style one), puts the
+    worker's streams into that state and back. Nothing to do without workers (the dataset draws from the
+    training streams) or for a dataset that derives its randomness per sample."""
+    workers = getattr(loader, "num_workers", 0)
+    dataset = getattr(loader, "dataset", None)
+    if workers == 0 or dataset is None or not uses_global_rng(dataset):
+        return None
+    why = (f"the dataloader ({type(loader).__name__}) is not a torchdata StatefulDataLoader, which saves its "
+           "workers' state" if not isinstance(loader, StatefulDataLoader) else
+           "worker_streams is off" if not carry else None)
+    if why is not None:
+        return (f"torchtitan_rng: the dataloader runs {workers} worker{'s' if workers != 1 else ''} and {why}: "
+                "what its dataset draws at random inside a worker restarts from the loader's seed at a resume, "
+                "so a resume is not exact if it draws")
+    wrapped = WorkerRNGIterableDataset(dataset) if isinstance(dataset, IterableDataset) else WorkerRNGDataset(dataset)
+    # DataLoader refuses a new dataset once built; nothing has iterated it yet, and the wrapper is of the same
+    # kind (iterable or map-style), the one thing the loader derived from it.
+    object.__setattr__(loader, "dataset", wrapped)
+    return None
+
+
 class _RestoreAfterIter:
     """The trainer's dataloader as the training loop sees it: ``iter()`` creates the loader's iterator,
     then puts back the loaded streams (the step boundary, nothing of the resumed step has drawn yet)."""
@@ -261,6 +339,10 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """``first_iter``: after ``iter(dataloader)`` (exact). ``load``: inside the checkpoint load, one
         ``_base_seed`` draw too early; there only to show that the restore point matters."""
 
+        worker_streams: bool = True
+        """Carry each loader worker's streams in the loader's per-worker state (``--dataloader.num_workers``
+        > 0). ``False`` leaves them to the loader's seed (named at start); only to show that they matter."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             if self.restore_streams_at not in ("first_iter", "load"):
@@ -285,6 +367,9 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self._stop_step: int | None = None
         checkpoint_signals.install(config.signals)
         self.vote: StopVote | None = StopVote()  # a collective: every rank builds its manager here
+        line = carry_worker_streams(self.trainer.dataloader, config.worker_streams)
+        if line is not None and self.streams.rank == 0:
+            logger.warning(line)
         # The loop iterates trainer.dataloader; the checkpoint keeps the loader itself (states["dataloader"]).
         self.trainer.dataloader = _RestoreAfterIter(self.trainer.dataloader, self)
 
@@ -387,5 +472,6 @@ class ExactResumeCheckpointManager(CheckpointManager):
                       "iter(dataloader); validation under preserved streams; save-and-stop on signals")
 def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
     """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
-    (``signals``, ``restore_streams_at``) come from ``--override.imports 'TARGET={"signals": [...]}'``."""
+    (``signals``, ``restore_streams_at``, ``worker_streams``) come from
+    ``--override.imports 'TARGET={"signals": [...]}'``."""
     return derive(config, ExactResumeCheckpointManager.Config, **options)

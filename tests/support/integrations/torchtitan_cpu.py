@@ -86,10 +86,12 @@ def apply() -> None:
     utils.device_type, utils.device_module = "cpu", _CpuDeviceModule()
 
     # Stock torchtitan 0.3.0 calls torch.distributed.set_timeout, which torch 2.13 lacks, after its first
-    # step: without the plug-in's stand-in, a stock run (the tests' controls) could not pass step 1.
-    from torchtitan_rng.integrations.torchtitan import provide_set_timeout
+    # step, and runs pipeline parallelism with torch 2.14's pre-split schedule.step: without the plug-in's
+    # stand-ins, a stock run (the tests' controls) could not pass step 1.
+    from torchtitan_rng.integrations.torchtitan import provide_presplit_step, provide_set_timeout
 
     provide_set_timeout()
+    provide_presplit_step()
 
     # set_pg_timeouts calls barrier(device_ids=[current device]); gloo takes no device ids.
     barrier = dist.barrier
