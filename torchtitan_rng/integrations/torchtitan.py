@@ -47,6 +47,7 @@ pre-split micro-batches (:func:`provide_presplit_step`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ def provide_presplit_step() -> None:
 
 
 def _presplit_step(whole_batch: Any) -> Any:
+    @functools.wraps(whole_batch)  # its signature and docs; ``__wrapped__`` is torch's own
     def step(self: Any, *args: Any, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
              target_mbs: list | None = None, **kwargs: Any) -> Any:
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
@@ -132,7 +134,6 @@ def _presplit_step(whole_batch: Any) -> Any:
         finally:
             del self._step_microbatches
 
-    step.__doc__ = whole_batch.__doc__
     return step
 
 
