@@ -17,13 +17,17 @@ TensorBoard events are converted into a loss log here:
 * the plug-in's checkpoint at the stop resumed by 1 process: one WARNING line naming both layouts and the rule
   for each rank's streams;
 * Flux (torchtitan's FluxTrainer, validating): stopped at 3 and resumed to 6 == uninterrupted; stock differs;
+  with one loader worker per rank (the random crop and caption dropout drawn in the worker): stopped and
+  resumed == uninterrupted; the same checkpoint resumed with the workers' streams not carried differs;
+* pipeline parallel 2 (Interleaved1F1B, stopped by SIGTERM, saving asynchronously; 1F1B) and tensor parallel
+  2: stopped and resumed == uninterrupted; stock torchtitan resuming the plug-in's checkpoint differs;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
   wrapper's control: in-process, below).
 
-The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. The 10 two-process
-runs go two at a time, then the one-process run; the learning rate is flat after warm-up
+The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. Each fixture's runs
+go side by side as cores free up (``together``); the learning rate is flat after warm-up
 (``--lr_scheduler.decay_ratio 0``) because torchtitan builds its schedule on ``training.steps``, which the
 end-of-steps stop changes.
 """
@@ -110,7 +114,8 @@ def _stock_loss_log(dump: Path) -> None:
 def _copy_checkpoint(source: Path, dump: Path, step: int) -> None:
     """A new run folder holding only ``source``'s checkpoint at ``step`` and its losses up to it."""
     shutil.copytree(source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-    shutil.copytree(source / "tb", dump / "tb")
+    if (source / "tb").is_dir():  # the Flux runs write no TensorBoard events
+        shutil.copytree(source / "tb", dump / "tb")
     shutil.copy(source / "loss_log.jsonl", dump / "loss_log.jsonl")
 
 
@@ -124,11 +129,11 @@ def _rank_pids(torchrun: subprocess.Popen) -> list[int]:
         time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
 
 
-def _signalled_run(assets: Path, dump: Path) -> subprocess.CompletedProcess:
-    """The plug-in run to 4 steps, SIGTERM to one rank as soon as training starts."""
+def _signalled_run(assets: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The plug-in run to 4 steps (with ``extra``), SIGTERM to one rank as soon as training starts."""
     out = dump.parent / f"{dump.name}.out"
     with out.open("w") as sink:
-        proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets)), cwd=REPO,
+        proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets), *extra), cwd=REPO,
                                 stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets))
         try:
             while "Training starts at step 1" not in out.read_text():
@@ -221,12 +226,7 @@ def test_compare_losses_plots_torchtitan_dump_folders(runs: dict[str, Path]) -> 
 def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(runs: dict[str, Path]) -> None:
     from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 
-    out = _outputs(runs)["signalled"]
-    stops = [line for line in out.splitlines() if "stop signal: saved a full checkpoint at step" in line]
-    assert len(stops) == 2, f"every rank reports one stop\n{out[-4000:]}"
-    step = int(stops[0].split("at step ")[1].split(";")[0])
-    assert all(f"at step {step};" in line for line in stops), stops
-    assert step < STEPS, f"the run stopped at its last step {step}: the signal was not heeded"
+    step = _stop_step(_outputs(runs)["signalled"])
     keys = set(SafeFileSystemReader(runs["signalled"] / "checkpoint" / f"step-{step}").read_metadata()
                .state_dict_metadata)
     assert {"torchtitan_rng.rank_0", "torchtitan_rng.rank_1"} <= keys
@@ -316,6 +316,91 @@ def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path]) ->
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# Pipeline and tensor parallelism on 2 processes (no data parallelism): the plug-in uninterrupted, stopped and
+# resumed, and the control, stock torchtitan resuming the plug-in's checkpoint (it ignores the streams). torch
+# 2.13 runs torchtitan's pre-split pipeline step through the plug-in's stand-in (provide_presplit_step).
+PP = ("--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs")
+LAYOUTS = {"interleaved": (*PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+           "1f1b": (*PP, "--parallelism.pipeline_parallel_schedule", "1F1B"),
+           "tp": ("--parallelism.tensor_parallel_degree", "2")}
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """For each layout: ``{layout}_full`` (to 4), ``{layout}_stopped`` (stopped, then resumed to 4) and
+    ``{layout}_stock`` (the stopped run's checkpoint resumed by stock torchtitan). Interleaved1F1B stops by a
+    SIGTERM to one rank (at whichever step the ranks agree on), saving with ``--checkpoint.async_mode async``;
+    the others stop at the end of ``--training.steps 2``."""
+    from tests.support.integrations import torchtitan_cpu
+
+    root = tmp_path_factory.mktemp("torchtitan_parallel")
+    assets = root / "assets"
+    torchtitan_cpu.write_assets(assets)
+    dumps = {f"{layout}_{run}": root / f"{layout}_{run}" for layout in LAYOUTS for run in ("full", "stopped", "stock")}
+    outputs: dict[str, str] = {}
+
+    def stopped_and_resumed(layout: str) -> None:
+        extra = LAYOUTS[layout]
+        stopped = dumps[f"{layout}_stopped"]
+        if layout == "interleaved":
+            # Saving asynchronously: the stop's checkpoint goes through torchtitan's async save (a save at the
+            # last step of --training.steps is always synchronous).
+            extra = (*extra, "--checkpoint.async_mode", "async")
+            outputs[layout] = _signalled_run(assets, stopped, *extra).stdout
+            step = _stop_step(outputs[layout])
+        else:
+            _train(assets, stopped, STOP, *_plugin(assets), *extra)
+            step = STOP
+        _copy_checkpoint(stopped, dumps[f"{layout}_stock"], step)
+        together(lambda: _train(assets, stopped, STEPS, *_plugin(assets), *extra),
+                 lambda: _train(assets, dumps[f"{layout}_stock"], STEPS, *extra))
+
+    together(*(lambda layout=layout: _train(assets, dumps[f"{layout}_full"], STEPS, *_plugin(assets),
+                                             *LAYOUTS[layout]) for layout in LAYOUTS),
+             *(lambda layout=layout: stopped_and_resumed(layout) for layout in LAYOUTS))
+    (root / "outputs.json").write_text(json.dumps(outputs))
+    return dumps
+
+
+def _stop_step(out: str) -> int:
+    """The step every rank of a signalled run saved at and stopped (each reports it once)."""
+    stops = [line for line in out.splitlines() if "stop signal: saved a full checkpoint at step" in line]
+    assert len(stops) == 2, f"every rank reports one stop\n{out[-4000:]}"
+    step = int(stops[0].split("at step ")[1].split(";")[0])
+    assert all(f"at step {step};" in line for line in stops), stops
+    assert step < STEPS, f"the run stopped at its last step {step}: the signal was not heeded"
+    return step
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_and_tensor_parallel_stopped_and_resumed_are_bitwise(parallel_runs: dict[str, Path],
+                                                                      layout: str) -> None:
+    result = compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stopped"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_and_tensor_parallel_stock_resume_differs(parallel_runs: dict[str, Path], layout: str) -> None:
+    outputs = json.loads((parallel_runs["tp_full"].parent / "outputs.json").read_text())
+    stop = _stop_step(outputs[layout]) if layout in outputs else STOP
+    result = compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"first differing step {stop + 1}:" in result.stdout, result.stdout
+
+
+def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str, Path]) -> None:
+    from torchtitan_rng.compare_losses import same_bits
+    from torchtitan_rng.loss_log import read_loss_log
+
+    # Under pipeline parallelism only the last stage's rank has the loss (torchtitan logs -1.0 on the others):
+    # the loss log holds that rank's losses, equal bit for bit to torchtitan's TensorBoard scalars.
+    for layout in ("interleaved", "1f1b"):
+        logged, board = read_loss_log(parallel_runs[f"{layout}_full"]), _tensorboard_losses(
+            parallel_runs[f"{layout}_full"])
+        assert sorted(logged) == sorted(board) == list(range(1, STEPS + 1)), (logged, board)
+        assert all(same_bits(logged[step]["loss"], board[step]) and board[step] > 0 for step in board), layout
+
+
 # Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by torchtitan_cpu.tiny_flux),
 # offline: a local byte-level tokenizer for T5 and CLIP, randomly initialised tiny encoders, a WebDataset tar.
 # Its randomness is torchtitan's: the noise and timesteps of every step, the random crop and the caption
@@ -336,8 +421,8 @@ def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str) 
 
 
 def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> str:
-    proc = subprocess.run(_flux_command(assets, dump, steps, *extra), cwd=REPO, capture_output=True, text=True,
-                          env=_env(assets["tokenizer"].parent), timeout=400)
+    proc = launch(_flux_command(assets, dump, steps, *extra), env=_env(assets["tokenizer"].parent), timeout=400,
+                  processes=2)
     (dump.parent / f"{dump.name}-{steps}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
@@ -349,27 +434,55 @@ def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) ->
 def flux_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The plug-in's Flux run uninterrupted and stopped at 3 then resumed to 6, both validating at steps 1, 3
     and 6 (the validator samples images from random noise); stock stopped and resumed the same way, without
-    validation (stock validation moves the training streams: it would differ from step 4 anyway)."""
+    validation (stock validation moves the training streams: it would differ from step 4 anyway).
+
+    With one loader worker per rank (``workers_*``: the random crop and caption dropout are drawn in the
+    worker): the plug-in uninterrupted, stopped at 3 and resumed to 6, and the control, the same checkpoint at
+    3 resumed with ``worker_streams`` off (the worker restarts its streams from the loader's seed)."""
     from tests.support.integrations import torchtitan_cpu
 
     root = tmp_path_factory.mktemp("flux")
     assets = torchtitan_cpu.write_flux_assets(root / "assets")
-    dumps = {name: root / name for name in ("full", "stopped", "stock")}
+    names = ("full", "stopped", "stock", "workers_full", "workers_stopped", "workers_off")
+    dumps = {name: root / name for name in names}
     plugin = ("--override.imports", PLUGIN, "--validator.enable", "--validator.freq", str(FLUX_STOP),
               "--validator.steps", "1", "--validator.dataloader.dataset_path", str(assets["images"]),
               "--validator.sampling.denoising_steps", "2")
+    worker = ("--dataloader.num_workers", "1")
+    workers, workers_off = (("--override.imports", PLUGIN + (f"={json.dumps(options)}" if options else ""), *worker)
+                            for options in ({}, {"worker_streams": False}))
     outputs: dict[str, str] = {}
+
+    def stopped_and_resumed() -> None:
+        _flux_train(assets, dumps["stopped"], FLUX_STOP, *plugin)
+        outputs["stopped"] = _flux_train(assets, dumps["stopped"], FLUX_STEPS, *plugin)
+
+    def stock() -> None:
+        _flux_train(assets, dumps["stock"], FLUX_STOP, "--metrics.enable_tensorboard")
+        _flux_train(assets, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard")
+
+    def workers_stopped_and_resumed() -> None:
+        _flux_train(assets, dumps["workers_stopped"], FLUX_STOP, *workers)
+        _copy_checkpoint(dumps["workers_stopped"], dumps["workers_off"], FLUX_STOP)
+        together(lambda: _flux_train(assets, dumps["workers_stopped"], FLUX_STEPS, *workers),
+                 lambda: outputs.setdefault("workers_off",
+                                            _flux_train(assets, dumps["workers_off"], FLUX_STEPS, *workers_off)))
+
     together(lambda: outputs.setdefault("full", _flux_train(assets, dumps["full"], FLUX_STEPS, *plugin)),
-             lambda: _flux_train(assets, dumps["stopped"], FLUX_STOP, *plugin))
-    together(lambda: outputs.setdefault("stopped", _flux_train(assets, dumps["stopped"], FLUX_STEPS, *plugin)),
-             lambda: _flux_train(assets, dumps["stock"], FLUX_STOP, "--metrics.enable_tensorboard"))
-    _flux_train(assets, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard")
+             stopped_and_resumed, stock,
+             lambda: outputs.setdefault("workers_full", _flux_train(assets, dumps["workers_full"], FLUX_STEPS,
+                                                                    *workers)),
+             workers_stopped_and_resumed)
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
 
+def _flux_outputs(flux_runs: dict[str, Path]) -> dict[str, str]:
+    return json.loads((flux_runs["full"].parent / "outputs.json").read_text())
+
+
 def test_flux_stopped_and_resumed_is_bitwise_with_validation(flux_runs: dict[str, Path]) -> None:
-    outputs = json.loads((flux_runs["full"].parent / "outputs.json").read_text())
+    outputs = _flux_outputs(flux_runs)
     # torchtitan validates at step 1 and every validator.freq steps: the uninterrupted run at 1, 3 and 6; the
     # stopped run at 1 and 3 (its checkpoint at 3 holds the streams from before that validation), then at 6.
     assert all(f"validate step: {step:2}" in outputs["full"] for step in (1, FLUX_STOP, FLUX_STEPS))
@@ -383,3 +496,18 @@ def test_flux_stock_control_differs_from_the_first_resumed_step(flux_runs: dict[
     result = compare(flux_runs["full"], flux_runs["stock"])
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"first differing step {FLUX_STOP + 1}:" in result.stdout, result.stdout
+
+
+def test_flux_with_a_loader_worker_stopped_and_resumed_is_bitwise(flux_runs: dict[str, Path]) -> None:
+    result = compare(flux_runs["workers_full"], flux_runs["workers_stopped"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING - torchtitan_rng" not in _flux_outputs(flux_runs)["workers_full"]
+
+
+def test_flux_worker_control_restarted_worker_streams_differ_and_are_named(flux_runs: dict[str, Path]) -> None:
+    result = compare(flux_runs["workers_full"], flux_runs["workers_off"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"first differing step {FLUX_STOP + 1}:" in result.stdout, result.stdout
+    warnings = [line for line in _flux_outputs(flux_runs)["workers_off"].splitlines()
+                if "WARNING - torchtitan_rng" in line]
+    assert len(warnings) == 1 and "the dataloader runs 1 worker and worker_streams is off" in warnings[0], warnings
