@@ -87,7 +87,7 @@ def _checkpoint(folder: Path, layout: dict[str, int], seeds: list[int]) -> Path:
     return folder
 
 
-def _load_as(checkpoint: Path, rank: int, layout: dict[str, int]) -> object:
+def _load_as(checkpoint: Path, rank: int, layout: dict[str, int], exclude: tuple[str, ...] = ()) -> object:
     """The plug-in's ``dcp_load`` of ``checkpoint`` as rank ``rank`` of a run with ``layout`` (the manager
     without a trainer: only what ``dcp_load`` reads); the rank's TrainState after the load."""
     import types
@@ -99,12 +99,14 @@ def _load_as(checkpoint: Path, rank: int, layout: dict[str, int]) -> object:
     from torchtitan_rng.integrations.torchtitan import ExactResumeCheckpointManager
 
     manager = ExactResumeCheckpointManager.__new__(ExactResumeCheckpointManager)
-    manager.states = {}
+    manager.states, manager.exclude_from_loading = {}, list(exclude)
     manager.streams = TrainState(torch.device("cpu"), rank=rank, world_size=layout["world_size"])
     # The record holds no config keys, so the drift check compares none: an empty config stands for the run.
     manager.trainer = types.SimpleNamespace(parallel_dims=ParallelDims(**layout),
                                             config=types.SimpleNamespace(to_dict=dict))
-    manager.dcp_load({"torchtitan_rng": manager.streams}, str(checkpoint), from_hf=False, from_quantized=False)
+    # torchtitan leaves an excluded part out of what it asks DCP for.
+    state = {} if "torchtitan_rng" in exclude else {"torchtitan_rng": manager.streams}
+    manager.dcp_load(state, str(checkpoint), from_hf=False, from_quantized=False)
     return manager.streams
 
 
@@ -157,3 +159,18 @@ def test_fewer_processes_rank_0_loads_rank_0s_streams(tmp_path: Path, caplog: py
     with caplog.at_level("WARNING"):
         second = _load_as(checkpoint, 1, TWO)
     assert _seeded_by(second, 12) and not _warnings(caplog)
+
+
+def test_streams_excluded_from_loading_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint = _checkpoint(tmp_path / "two", TWO, seeds=[11, 12])
+    with caplog.at_level("WARNING"):
+        streams = _load_as(checkpoint, 0, TWO, exclude=("torchtitan_rng",))
+    assert streams.loaded is None  # type: ignore[attr-defined]
+    assert _warnings(caplog) == ["torchtitan_rng: --checkpoint.exclude_from_loading names torchtitan_rng: every "
+                                 "rank resumes with the streams torchtitan seeded at start, so this resume is not "
+                                 "exact"]
+    # Control: excluding another part (torchtitan's dataloader, to change the process count) says nothing here.
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _load_as(checkpoint, 0, TWO, exclude=("dataloader",))
+    assert not _warnings(caplog)

@@ -28,7 +28,8 @@ torchtitan applies the override before it builds its components: the run's ``Che
   with (process count and parallel degrees); rank 0 names both in one WARNING line with the rule each rank's
   streams follow (:func:`layout_change`): rank r restores the streams saved by rank r where the checkpoint
   has them, a rank the checkpoint lacks keeps the streams torchtitan seeded at start;
-* a checkpoint without streams (saved by stock torchtitan) resumes with one WARNING line and fresh streams;
+* a checkpoint without streams (saved by stock torchtitan), or a resume told not to load them
+  (``--checkpoint.exclude_from_loading torchtitan_rng``), resumes with one WARNING line and fresh streams;
   a checkpoint of the plug-in resumes in stock torchtitan, which does not ask DCP for the extra key.
 
 * with ``--dataloader.num_workers`` > 0, each loader worker's streams (Python, NumPy, torch CPU) in the
@@ -403,6 +404,9 @@ class ExactResumeCheckpointManager(CheckpointManager):
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
                  from_quantized: bool) -> None:
+        if STREAMS_PART in self.exclude_from_loading and not from_hf and self.streams.rank == 0:
+            logger.warning(f"torchtitan_rng: --checkpoint.exclude_from_loading names {STREAMS_PART}: every rank "
+                           "resumes with the streams torchtitan seeded at start, so this resume is not exact")
         if STREAMS_PART in state_dict and not from_hf:
             record = read_record(Path(checkpoint_id)) if self.streams.rank == 0 else None
             keys = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
