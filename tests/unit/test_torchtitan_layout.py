@@ -174,3 +174,15 @@ def test_streams_excluded_from_loading_are_named(tmp_path: Path, caplog: pytest.
     with caplog.at_level("WARNING"):
         _load_as(checkpoint, 0, TWO, exclude=("dataloader",))
     assert not _warnings(caplog)
+
+
+def test_a_changed_degree_is_named_by_the_layout_line_alone() -> None:
+    from torchtitan_rng.integrations.torchtitan import config_drift
+
+    saved = {"parallelism.tensor_parallel_degree": 2, "parallelism.data_parallel_shard_degree": -1}
+    resumed = dict(saved, **{"parallelism.tensor_parallel_degree": 1})
+    # The checkpoint records its layout: layout_change's line names the change, the drift check does not repeat it.
+    assert config_drift(saved, resumed, layout_recorded=True) == []
+    # Control: without a recorded layout the drift line is the only one that names it.
+    [line] = config_drift(saved, resumed)
+    assert line.startswith("parallelism.tensor_parallel_degree = 1 but the checkpoint was trained with 2")

@@ -227,11 +227,20 @@ def _horizon_matters(values: dict[str, Any]) -> bool:
     return values.get("lr_scheduler.decay_ratio") != 0
 
 
-def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+# The parallel degrees as configured; where the checkpoint records its resolved layout, the layout's own line
+# names a change of them (layout_change), once.
+DEGREE_KEYS = tuple(f"parallelism.{name}_degree" for name in (
+    "data_parallel_replicate", "data_parallel_shard", "context_parallel", "tensor_parallel", "pipeline_parallel",
+    "expert_parallel"))
+
+
+def config_drift(saved: dict[str, Any], current: dict[str, Any], layout_recorded: bool = False) -> list[str]:
     """One line per key that differs and can change the losses (``QUIET_KEYS`` and keys one side lacks
-    are not compared; ``training.steps`` only where the schedule's decay depends on it)."""
+    are not compared; ``training.steps`` only where the schedule's decay depends on it; the parallel degrees
+    only where the checkpoint has no recorded layout)."""
     def quiet(key: str) -> bool:
-        return key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
+        return (key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
+                or (layout_recorded and key in DEGREE_KEYS))
 
     lines = [f"{key} = {current[key]!r} but the checkpoint was trained with {saved[key]!r}"
              for key in sorted(set(saved) & set(current)) if not quiet(key) and saved[key] != current[key]]
@@ -430,7 +439,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """Name every changed key that can change the losses (a checkpoint without a record has none)."""
         if saved is None:
             return
-        for line in config_drift(saved["config"], config_values(self.trainer.config)):
+        layout_recorded = isinstance(saved.get("layout"), dict)
+        for line in config_drift(saved["config"], config_values(self.trainer.config), layout_recorded):
             logger.warning(f"torchtitan_rng: {line}: this resume is no longer the run that was stopped")
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
