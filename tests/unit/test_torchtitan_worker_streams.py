@@ -1,8 +1,9 @@
 """The torchtitan plug-in carries each loader worker's streams (``carry_worker_streams``): a real
 StatefulDataLoader with one worker process, over an iterable dataset that draws in ``__iter__`` as Flux's does
-(its random crop and caption dropout), stopped after 3 batches and resumed in a new loader, yields the batches
-the uninterrupted loader yields; without the carry (the control) the resumed worker restarts its streams.
-The launches (Flux with ``--dataloader.num_workers 1``): tests/e2e/test_torchtitan_plugin.py."""
+(its random crop and caption dropout), or a map-style one that draws in ``__getitem__``, stopped after 3
+batches and resumed in a new loader, yields the batches the uninterrupted loader yields; without the carry
+(the control) the resumed worker restarts its streams. The launches (Flux with ``--dataloader.num_workers 1``):
+tests/e2e/test_torchtitan_plugin.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 pytest.importorskip("torchtitan")
 
@@ -35,12 +36,22 @@ class DrawingStream(IterableDataset):
         self.position = state["position"]
 
 
-def _loader(carry: bool | None) -> tuple[Any, str | None]:
+class DrawingSamples(Dataset):
+    """Map-style: every sample draws from the worker's torch stream in ``__getitem__``."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index + 1), torch.rand(1).item()])
+
+
+def _loader(carry: bool | None, kind: type = DrawingStream) -> tuple[Any, str | None]:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from torchtitan_rng.integrations.torchtitan import carry_worker_streams
 
-    loader = StatefulDataLoader(DrawingStream(), batch_size=2, num_workers=1)
+    loader = StatefulDataLoader(kind(), batch_size=2, num_workers=1)
     return loader, (None if carry is None else carry_worker_streams(loader, carry))
 
 
@@ -53,10 +64,10 @@ def _batches(loader: Any, count: int, state: dict[str, Any] | None = None) -> tu
     return batches, loader.state_dict()
 
 
-def _stop_and_resume(carry: bool | None) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None]:
-    full, _ = _batches(_loader(carry)[0], BATCHES)
-    first, state = _batches(_loader(carry)[0], STOP)
-    loader, line = _loader(carry)
+def _stop_and_resume(carry: bool | None, kind: type) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None]:
+    full, _ = _batches(_loader(carry, kind)[0], BATCHES)
+    first, state = _batches(_loader(carry, kind)[0], STOP)
+    loader, line = _loader(carry, kind)
     rest, _ = _batches(loader, BATCHES - STOP, state)
     return full, first + rest, line
 
@@ -65,14 +76,19 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_a_resumed_worker_continues_its_streams() -> None:
-    full, resumed, line = _stop_and_resume(carry=True)
+KINDS = pytest.mark.parametrize("kind", [DrawingStream, DrawingSamples], ids=["iterable", "map-style"])
+
+
+@KINDS
+def test_a_resumed_worker_continues_its_streams(kind: type) -> None:
+    full, resumed, line = _stop_and_resume(True, kind)
     assert line is None
     assert _same(full, resumed)
 
 
-def test_control_without_the_carry_the_resumed_worker_restarts_and_is_named() -> None:
-    full, resumed, line = _stop_and_resume(carry=False)
+@KINDS
+def test_control_without_the_carry_the_resumed_worker_restarts_and_is_named(kind: type) -> None:
+    full, resumed, line = _stop_and_resume(False, kind)
     assert line is not None and "runs 1 worker and worker_streams is off" in line and "not exact" in line
     assert _same(full[:STOP], resumed[:STOP])
     # The positions resume right (the dataset's own state), the draws do not.
