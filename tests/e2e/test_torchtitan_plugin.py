@@ -52,6 +52,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
 
 SUPPORT = REPO / "tests" / "support" / "integrations"
+# The runs' warm server imports torchtitan_run.py's module (the CPU adjustments, then torchtitan) once, not each
+# rank of each run (tests/support/launch.py).
+PRELOAD = (str(SUPPORT / "torchtitan_run.py"),)
 PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
@@ -83,7 +86,8 @@ def _env(assets: Path) -> dict[str, str]:
 
 
 def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets), timeout=400, processes=nproc)
+    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets), timeout=400, processes=nproc,
+                  preload=PRELOAD)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
@@ -422,7 +426,7 @@ def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str) 
 
 def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> str:
     proc = launch(_flux_command(assets, dump, steps, *extra), env=_env(assets["tokenizer"].parent), timeout=400,
-                  processes=2)
+                  processes=2, preload=PRELOAD)
     (dump.parent / f"{dump.name}-{steps}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
