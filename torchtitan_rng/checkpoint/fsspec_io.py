@@ -14,13 +14,13 @@ from torchtitan_rng.checkpoint.writer import COPY_AHEAD_BYTES, WithoutZipCrc
 
 
 class ChecksummedFsspecWriter(WithoutZipCrc, FsspecWriter):
-    def __init__(self, url: str) -> None:
-        super().__init__(url, per_thread_copy_ahead=COPY_AHEAD_BYTES)
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        super().__init__(url, per_thread_copy_ahead=COPY_AHEAD_BYTES, **options)
 
 
 class SafeFsspecReader(SafeMetadata, FsspecReader):
-    def __init__(self, url: str, metadata: Metadata | None = None) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, metadata: Metadata | None = None, options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, **(options or {}))
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -27,12 +27,10 @@ from typing import Iterable, NoReturn
 
 import numpy as np
 
-from torchtitan_rng.checkpoint.layout import MARKER_NAME
+from torchtitan_rng.checkpoint.layout import CHECKSUMS_NAME, MARKER_NAME, SIGNATURE_NAME
 from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import CheckpointError
 
-CHECKSUMS_NAME = "checksums.json"
-SIGNATURE_NAME = "signature.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
 VERIFIED_ENV = "TORCHTITAN_RNG_VERIFIED_CHECKPOINT"
 BLOCK_BYTES = 32 * 1024

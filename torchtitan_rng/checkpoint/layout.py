@@ -45,16 +45,17 @@ PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 MARKER_NAME = "complete.json"  # written last into a finished save: {"step": N}
 METADATA_NAME = ".metadata"  # DCP's index
+RECORD_NAME = "run.json"  # run_record.py
+CHECKSUMS_NAME = "checksums.json"  # integrity.py
+SIGNATURE_NAME = "signature.json"  # integrity.py, with a signing key
+# Every file a save writes into its folder: anything else there is not the run's (strangers()).
+_OUR_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
+                        + "|".join(re.escape(name) for name in (RECORD_NAME, CHECKSUMS_NAME, SIGNATURE_NAME,
+                                                                MARKER_NAME)) + ")$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Per-rank values live under rank-unique keys: DCP keeps only one copy of a same-key non-DTensor value saved
 # from every rank, so a shared key would hand every rank rank 0's value on load.
 _PER_RANK_KEY = re.compile(r"^(dp_)?rank_(\d+)$")
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (at most 300 characters), else its type's name."""
-    lines = str(err).strip().splitlines()
-    return lines[0][:300] if lines else type(err).__name__
 
 
 def rank_key(rank: int) -> str:
@@ -123,6 +124,8 @@ class Scan:
     damaged: list[int] = field(default_factory=list)  # a folder that cannot be a save of ours (no .metadata)
     unfinished: list[int] = field(default_factory=list)  # on an object store: a save cut short (no marker)
     ignored: list[str] = field(default_factory=list)  # one line per entry this code did not write
+    # The step-N entries a save of N must not land on, by step: what this code did not write (each named).
+    foreign: dict[int, str] = field(default_factory=dict)
 
 
 def scan(folder: Folder) -> Scan:
@@ -139,17 +142,23 @@ def scan(folder: Folder) -> Scan:
             what = "a symlink or special file" if kind == "other" else "a file"
             found.ignored.append(f"{entry} is {what}, not a checkpoint this run wrote: ignored (never followed, "
                                  "renamed or deleted)")
+            found.foreign[step] = not_ours(entry, f"is {what}")
             continue
         marked = _marked_step(entry)
         if marked is not None and marked != step:
             found.ignored.append(f"{entry} holds a checkpoint saved as another step (its {MARKER_NAME} names "
                                  f"{marked}): ignored; give it as initial_load_path= to start from it")
+            found.foreign[step] = not_ours(entry, f"holds a checkpoint saved as step {marked} (a copy)")
         elif marked is not None or (entry.storage.atomic_rename and (entry / METADATA_NAME).is_file()):
             found.complete.append(step)  # a folder from before markers: the rename alone made it complete
         elif entry.storage.atomic_rename:
             found.damaged.append(step)
+            found.foreign[step] = not_ours(entry, "is a folder without .metadata")
         else:
-            found.unfinished.append(step)
+            found.unfinished.append(step)  # a save of ours cut short, redone by the next save of its step...
+            others = strangers(entry)
+            if others:  # ...unless it holds what no save writes
+                found.foreign[step] = not_ours(entry, f"holds files a save does not write ({', '.join(others[:3])})")
     for steps in (found.complete, found.damaged, found.unfinished):
         steps.sort()
     return found
@@ -168,6 +177,17 @@ def damaged_steps(folder: Folder) -> list[int]:
 def ignored_entries(folder: Folder) -> list[str]:
     """One line per ``step-N`` entry of ``folder`` that this code did not write (see above)."""
     return scan(folder).ignored
+
+
+def not_ours(entry: Location, what: str) -> str:
+    """The refusal of a save into ``entry``, which ``what`` says the run did not write."""
+    return f"cannot save into {entry}: it {what}; it is not this run's, so it is left as it is: move it away"
+
+
+def strangers(folder: Location) -> list[str]:
+    """The files below a ``step-N`` folder that no save writes (a user's notes, a copy's extras): the one rule
+    for what the run did not write there, which is never deleted or written over."""
+    return [name for name in folder.files() if not _OUR_FILES.match(name)]
 
 
 def _is_checkpoint(folder: Location) -> bool:
@@ -240,10 +260,19 @@ def resolve_checkpoint(own_folder: Folder, load_step: int = -1,
 
 
 def refuse_overwrite(folder: Folder, planned_saves: Iterable[int]) -> None:
-    """A run resumed from an older checkpoint must not save over a newer one of an earlier history."""
-    taken = sorted(set(planned_saves) & set(complete_steps(folder)))
+    """Before saving ``planned_saves``: a run resumed from an older checkpoint must not save over a newer one of
+    an earlier history, and no save may land on an entry the run did not write (a user's copy under another
+    step's name, a symlink or file named ``step-N``, a folder holding other files). Foreseen at start, so a
+    run is refused before it trains, not at the save."""
+    folder = locate(folder)
+    planned = set(planned_saves)
+    found = scan(folder)
+    taken = sorted(planned & set(found.complete))
     if taken:
         raise CheckpointError(
-            f"this run would save over the existing checkpoints {_describe(taken)} in {locate(folder)}; resume "
+            f"this run would save over the existing checkpoints {_describe(taken)} in {folder}; resume "
             "into a fresh folder with initial_load_path=, or move those checkpoints away"
         )
+    clash = sorted(planned & set(found.foreign))
+    if clash:
+        raise CheckpointError(f"this run saves step {clash[0]}: {found.foreign[clash[0]]}")

@@ -28,12 +28,11 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from torchtitan_rng.checkpoint import integrity, layout, run_record
-from torchtitan_rng.checkpoint.layout import first_line
-from torchtitan_rng.errors import CheckpointError, disk_full
+from torchtitan_rng.errors import CheckpointError, disk_full, first_line
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner, inspect_checkpoint
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.storage import Location, folder_location, locate
 from torchtitan_rng.distributed import barrier
 
 
@@ -49,12 +48,6 @@ def _first_failure(err: CheckpointException) -> BaseException:
     """The original exception inside DCP's wrapper (one per failed rank)."""
     return next(iter(err.failures.values()))[0]
 
-
-# The files a save writes into its folder: a leftover folder of a save cut short holds only these.
-_OUR_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
-                        + "|".join(re.escape(name) for name in (run_record.RECORD_NAME, integrity.CHECKSUMS_NAME,
-                                                                integrity.SIGNATURE_NAME, layout.MARKER_NAME))
-                        + ")$")
 
 def _save_failure(step: int, folder: Location, err: BaseException) -> CheckpointError:
     """One line for a failed save: "the disk is full" when it is, else the original error's first line."""
@@ -75,13 +68,17 @@ def _clear_unfinished(folder: Location) -> None:
     kind = folder.kind()
     if kind is None:
         return
-    strangers = [name for name in folder.files() if not _OUR_FILES.match(name)] if kind == "dir" else []
+    strangers = layout.strangers(folder) if kind == "dir" else []
     if kind != "dir" or strangers:
         what = f"holds files a save does not write ({', '.join(strangers[:3])})" if strangers else \
             "is not a folder (a symlink or a file)"
-        raise CheckpointError(f"cannot save into {folder}: it {what}; it is not this run's, so it is left as "
-                              "it is: move it away")
+        raise CheckpointError(layout.not_ours(folder, what))
     folder.remove()
+
+
+def saves_at(step: int, interval: int, last_step: int | None) -> bool:
+    """The save policy: a multiple of ``interval``, or the last step."""
+    return step % interval == 0 or step == last_step
 
 
 @dataclass
@@ -111,7 +108,9 @@ class CheckpointManager:
                  enable: bool = True, keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
                  hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None,
                  signing: integrity.SigningKey | None = None) -> None:
-        self.folder = locate(folder)
+        self.folder = folder_location(folder)
+        if enable:
+            self.folder.check()
         self.signing = signing
         self.parts = parts
         self.interval = interval
@@ -125,12 +124,13 @@ class CheckpointManager:
         self._pending: tuple[int, Future, float] | None = None  # the background save: step, future, start time
         self._background_group: Any = None
         self._stager: HostCopyStager | None = None
+        self._kept: set[int] = set()  # pruned steps kept for what the run did not write (said once each)
         # The run's record (run_record.py), written into every checkpoint when set.
         self.run_record: dict[str, Any] | None = None
 
     def should_save(self, step: int, last_step: int | None = None) -> bool:
         """The policy: a multiple of ``interval``, or the last step."""
-        return self.enable and (step % self.interval == 0 or step == last_step)
+        return self.enable and saves_at(step, self.interval, last_step)
 
     def save(self, step: int, *, last_step: int | None = None, force: bool = False) -> Path | Location | None:
         """Call at every step boundary, on every rank (a save is a collective). Saves when the policy says so
@@ -254,7 +254,7 @@ class CheckpointManager:
 
     def _prune(self, step: int) -> None:
         """Delete complete checkpoints older than the newest ``keep_latest_k``: only folders this code wrote
-        (layout.scan), never an entry it did not."""
+        (layout.scan), never an entry it did not, nor one holding a file it did not write (layout.strangers)."""
         storage = self.folder.storage
         if storage.atomic_rename:
             for leftover in self.folder.entries():  # from a prune that was killed
@@ -264,6 +264,13 @@ class CheckpointManager:
             return
         for old in layout.complete_steps(self.folder)[: -self.keep_latest_k]:
             checkpoint = locate(layout.step_dir(self.folder, old))
+            strangers = layout.strangers(checkpoint)
+            if strangers:  # not the run's to delete: the whole checkpoint stays, said once
+                if old not in self._kept:
+                    self._kept.add(old)
+                    self._say(f"note: {checkpoint} is kept by keep_latest_k: it holds files a save does not "
+                              f"write ({', '.join(strangers[:3])}), which are not this run's to delete")
+                continue
             if storage.atomic_rename:
                 doomed = layout.deleting_dir(self.folder, old)
                 storage.rename(checkpoint.path, doomed.path)  # atomic: never a half-deleted step-N

@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from torchtitan_rng.checkpoint import integrity
-from torchtitan_rng.checkpoint.layout import METADATA_NAME
+from torchtitan_rng.checkpoint.layout import METADATA_NAME, RECORD_NAME
 from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
 
-RECORD_NAME = "run.json"
 _FORMAT = 1
 
 # Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.

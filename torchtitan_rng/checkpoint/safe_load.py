@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from torchtitan_rng.checkpoint.integrity import RESUME_ADVICE
-from torchtitan_rng.checkpoint.layout import first_line, saved_world_size
+from torchtitan_rng.checkpoint.layout import saved_world_size
 from torchtitan_rng.checkpoint.storage import Location, locate
-from torchtitan_rng.errors import CheckpointError
+from torchtitan_rng.errors import CheckpointError, first_line
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

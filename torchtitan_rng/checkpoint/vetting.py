@@ -60,9 +60,13 @@ def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | N
     verified = os.environ.get(integrity.VERIFIED_ENV) == str(path)
     if not (verified and (path / integrity.CHECKSUMS_NAME).is_file()):
         def verify() -> None:
-            if not integrity.verify_integrity(path):
-                warnings.append(f"WARNING: checkpoint {path} has no checksums (saved by an older version): damage "
-                                "to its files cannot be detected")
+            if integrity.verify_integrity(path):
+                return
+            # On a folder, a version before checksums; on a store, every version wrote them with its marker.
+            why = ("saved by an older version" if path.storage.atomic_rename else
+                   f"its {integrity.CHECKSUMS_NAME} was removed or never written")
+            warnings.append(f"WARNING: checkpoint {path} is unsigned and unchecked: it has no "
+                            f"{integrity.CHECKSUMS_NAME} ({why}), so damage to its files cannot be detected")
         on_rank_zero(verify, CheckpointError(f"checkpoint {path} is damaged (rank 0 names the file)"), device,
                      (CheckpointError,))
     if record is not None:
