@@ -1,6 +1,6 @@
 """DCP's writer and reader for an fsspec URL (storage.FsspecStorage), as the local ones: a save without
-torch.save's zip CRC (writer.py), a ``.metadata`` read that cannot run code (safe_load.py). Imported only
-when a checkpoint folder is a URL (it imports fsspec)."""
+torch.save's zip CRC (writer.py), a ``.metadata`` read that cannot run code (safe_load.py). Imported only by
+dcp_io.py, when a checkpoint folder is a URL (it imports fsspec)."""
 
 from __future__ import annotations
 

@@ -27,9 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from torchtitan_rng.checkpoint import integrity, layout, run_record
+from torchtitan_rng.checkpoint import dcp_io, integrity, layout, run_record
 from torchtitan_rng.errors import CheckpointError, disk_full, first_line
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner, inspect_checkpoint
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.checkpoint.storage import Location, folder_location, locate
@@ -172,13 +173,13 @@ class CheckpointManager:
         planner = self.hooks.save_planner(step) if self.hooks else None
         self.last_saved_step = step
         if in_background:
-            future = dcp.async_save(dict(self.parts), storage_writer=partial.writer(),
+            future = dcp.async_save(dict(self.parts), storage_writer=dcp_io.writer(partial),
                                     process_group=self._group(), async_stager=self._staging(), planner=planner)
             self._pending = (step, future, started)
             self._say(f"checkpoint step-{step}: staged in {time.perf_counter() - started:.2f} s, writing in the "
                       "background")
             return layout.step_dir(self.folder, step)
-        dcp.save(dict(self.parts), storage_writer=partial.writer(), planner=planner)
+        dcp.save(dict(self.parts), storage_writer=dcp_io.writer(partial), planner=planner)
         self._hook("save_written", step)
         barrier()
         if self.rank == 0:
@@ -300,7 +301,7 @@ class CheckpointManager:
                     del part_state[key]
             state[name] = part_state
         try:
-            dcp.load(state, storage_reader=info.path.reader(info.metadata), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=dcp_io.reader(info.path, info.metadata), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             cause = _first_failure(err) if isinstance(err, CheckpointException) else err
             if isinstance(cause, CheckpointError):

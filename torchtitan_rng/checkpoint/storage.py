@@ -102,14 +102,6 @@ class Storage(ABC):
     def display(self, path: str) -> str:
         """How messages name ``path`` (a local path, or a URL)."""
 
-    @abstractmethod
-    def writer(self, folder: str) -> Any:
-        """DCP's StorageWriter for a save into ``folder`` (writer.py)."""
-
-    @abstractmethod
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        """DCP's StorageReader for ``folder``, with the safe metadata reader (safe_load.py)."""
-
     def check(self, folder: str) -> None:
         """Refuse, in one line, a checkpoint folder this storage cannot keep checkpoints in (before a run)."""
 
@@ -178,16 +170,6 @@ class LocalStorage(Storage):
     def display(self, path: str) -> str:
         return path
 
-    def writer(self, folder: str) -> Any:
-        from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
-
-        return ChecksummedFileSystemWriter(Path(folder))
-
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
-
-        return SafeFileSystemReader(folder, metadata)
-
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -215,7 +197,7 @@ class FsspecStorage(Storage):
     def __init__(self, protocol: str, fs: Any, options: dict[str, Any]) -> None:
         self.protocol = protocol
         self.fs = fs
-        self.options = options  # how fs was opened; DCP's reader and writer open theirs alike
+        self.options = options  # how fs was opened; DCP's reader and writer open theirs alike (dcp_io.py)
 
     def failure(self, path: str, err: BaseException) -> CheckpointError:
         """One line for a store that failed at ``path``: which store, what it said, what to do."""
@@ -309,16 +291,6 @@ class FsspecStorage(Storage):
     def display(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
-    def writer(self, folder: str) -> Any:
-        from torchtitan_rng.checkpoint.fsspec_io import ChecksummedFsspecWriter
-
-        return ChecksummedFsspecWriter(self.display(folder), self.options)
-
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        from torchtitan_rng.checkpoint.fsspec_io import SafeFsspecReader
-
-        return SafeFsspecReader(self.display(folder), metadata, self.options)
-
 
 @dataclass(frozen=True, eq=False)
 class Location:
@@ -392,12 +364,6 @@ class Location:
 
     def makedirs(self) -> None:
         self.storage.makedirs(self.path)
-
-    def writer(self) -> Any:
-        return self.storage.writer(self.path)
-
-    def reader(self, metadata: Any = None) -> Any:
-        return self.storage.reader(self.path, metadata)
 
     def check(self) -> None:
         self.storage.check(self.path)

@@ -27,7 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoint
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.storage import Location, locate
 from torchtitan_rng.distributed import on_rank_zero
 from torchtitan_rng.errors import CheckpointError
