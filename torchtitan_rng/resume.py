@@ -30,7 +30,7 @@ import torch
 from torchtitan_rng import skips
 from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.manager import CheckpointManager, saves_at
-from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder, locate
+from torchtitan_rng.checkpoint.storage import Location, Where, checkpoint_folder, locate
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
@@ -91,7 +91,7 @@ def _dump_folder(config: JobConfig) -> str:
     return str(Path(config.job.dump_folder).resolve())
 
 
-def refuse_another_runs(config: JobConfig, path: Path | Location) -> list[str]:
+def refuse_another_runs(config: JobConfig, path: Where) -> list[str]:
     """A checkpoint of this run's checkpoint folder written from another dump folder (the folder is shared) is
     that run's: resuming it here would go on with its history in another loss log, and write into its
     checkpoints. Refused, or a WARNING where checkpoint.allow_config_change names job.dump_folder. Not checked
@@ -138,7 +138,7 @@ def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
     return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
-def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], world_size: int | None,
+def vet_for(config: JobConfig, path: Where, record: dict[str, Any], world_size: int | None,
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
@@ -201,7 +201,7 @@ def refuse_overwrite(config: JobConfig, start: int) -> None:
                                                     if saves_at(step, ckpt.interval, last_step)])
 
 
-def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Path | Location, reseeded: bool, no_rng: bool,
+def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Where, reseeded: bool, no_rng: bool,
                  world_size: int, warn: Callable[[str], None]) -> StreamPlan:
     """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
     if not ckpt.restore_rng or layout.TRAIN_STATE in ckpt.exclude_from_loading:

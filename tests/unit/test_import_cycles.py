@@ -106,7 +106,8 @@ def test_control_a_cycle_deferred_inside_a_function_is_found(tmp_path: Path) -> 
     (package / "b.py").write_text("def later():\n    from torchtitan_rng.a import x\n")
     (package / "sub" / "c.py").write_text("from torchtitan_rng.sub import d\n")
     (package / "sub" / "d.py").write_text("from . import c\n")
-    (package / "e.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchtitan_rng import f\n")
+    (package / "e.py").write_text("from typing import TYPE_CHECKING\n"
+                                  "if TYPE_CHECKING:\n    from torchtitan_rng import f\n")
     (package / "f.py").write_text("from torchtitan_rng import e\n")
     assert cycles(tmp_path) == [("torchtitan_rng.a", "torchtitan_rng.b"),
                                 ("torchtitan_rng.sub.c", "torchtitan_rng.sub.d")]

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from torchtitan_rng.checkpoint.integrity import RESUME_ADVICE
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader
-from torchtitan_rng.checkpoint.storage import FsspecStorage, Location, locate
+from torchtitan_rng.checkpoint.storage import FsspecStorage, Location, Where, locate
 from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
 from torchtitan_rng.errors import CheckpointError, first_line
 
@@ -42,7 +42,7 @@ def reader(folder: Location, metadata: Metadata | None = None) -> Any:
     return SafeFileSystemReader(folder.path, metadata)
 
 
-def inspect_checkpoint(path: Location | Path | str) -> CheckpointInfo:
+def inspect_checkpoint(path: Where) -> CheckpointInfo:
     """The metadata of a complete, undamaged checkpoint: every shard file there and long enough."""
     path = locate(path)
     try:

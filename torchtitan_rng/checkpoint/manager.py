@@ -15,7 +15,6 @@ Errors name this class's parameters; test hooks (fault injection) are handed in,
 
 from __future__ import annotations
 
-import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.checkpoint.storage import Location, folder_location, locate
+from torchtitan_rng.checkpoint.storage import Location, Where, folder_location
 from torchtitan_rng.distributed import barrier
 
 
@@ -57,9 +56,6 @@ def _save_failure(step: int, folder: Location, err: BaseException) -> Checkpoint
         return CheckpointError(f"saving step {step} into {folder} failed: the disk is full; the complete "
                                "checkpoints there are kept (this one stays an unfinished .partial, never loaded): free space, then resume")
     return CheckpointError(f"saving step {step} into {folder} failed: {type(cause).__name__}: {first_line(cause)}")
-
-
-_DELETING = re.compile(r"^step-\d+" + re.escape(layout.DELETING_SUFFIX) + "$")
 
 
 def _clear_unfinished(folder: Location) -> None:
@@ -105,11 +101,12 @@ class CheckpointManager:
         signing: the key that signs each checkpoint's checksums (integrity.py); None: unsigned.
     """
 
-    def __init__(self, folder: Path | str | Location, parts: dict[str, Stateful], *, interval: int,
+    def __init__(self, folder: Where, parts: dict[str, Stateful], *, interval: int,
                  enable: bool = True, keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
                  hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None,
                  signing: integrity.SigningKey | None = None) -> None:
         self.folder = folder_location(folder)
+        self.completion = layout.completion(self.folder)  # how a save becomes complete there
         if enable:
             self.folder.check()
         self.signing = signing
@@ -156,16 +153,9 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             raise _save_failure(step, self.folder, err) from None
 
-    def _target(self, step: int) -> Location:
-        """Where the save of ``step`` is written: ``step-N.partial`` (renamed when complete), or on an object
-        store ``step-N`` itself (marked when complete)."""
-        if self.folder.storage.atomic_rename:
-            return layout.partial_dir(self.folder, step)
-        return locate(layout.step_dir(self.folder, step))
-
     def _write(self, step: int, in_background: bool) -> Path | Location:
         started = time.perf_counter()
-        partial = self._target(step)
+        partial = self.completion.target(self.folder, step)
         if self.rank == 0:
             _clear_unfinished(partial)
             partial.makedirs()
@@ -241,30 +231,25 @@ class CheckpointManager:
             self._stager.close()
 
     def _complete(self, step: int) -> None:
-        partial = self._target(step)
+        partial = self.completion.target(self.folder, step)
         if self.run_record is not None:
             run_record.write_record(partial, self.run_record)
         integrity.write_checksums(partial, self.signing)  # it covers every file above
         self._hook("save_marking", step)
         layout.write_marker(partial, step)  # last: from here on it counts (on an object store)
-        storage = self.folder.storage
-        if storage.atomic_rename:
-            storage.rename(partial.path, locate(layout.step_dir(self.folder, step)).path)
+        self.completion.finish(self.folder, step)
         self._hook("save_renamed", step)
         self._prune(step)
 
     def _prune(self, step: int) -> None:
         """Delete complete checkpoints older than the newest ``keep_latest_k``: only folders this code wrote
         (layout.scan), never an entry it did not, nor one holding a file it did not write (layout.strangers)."""
-        storage = self.folder.storage
-        if storage.atomic_rename:
-            for leftover in self.folder.entries():  # from a prune that was killed
-                if _DELETING.match(leftover.name) and leftover.is_dir():
-                    leftover.remove()
+        for leftover in self.completion.leftovers(self.folder):
+            leftover.remove()
         if self.keep_latest_k <= 0:
             return
         for old in layout.complete_steps(self.folder)[: -self.keep_latest_k]:
-            checkpoint = locate(layout.step_dir(self.folder, old))
+            checkpoint = layout.step_location(self.folder, old)
             strangers = layout.strangers(checkpoint)
             if strangers:  # not the run's to delete: the whole checkpoint stays, said once
                 if old not in self._kept:
@@ -272,16 +257,11 @@ class CheckpointManager:
                     self._say(f"note: {checkpoint} is kept by keep_latest_k: it holds files a save does not "
                               f"write ({', '.join(strangers[:3])}), which are not this run's to delete")
                 continue
-            if storage.atomic_rename:
-                doomed = layout.deleting_dir(self.folder, old)
-                storage.rename(checkpoint.path, doomed.path)  # atomic: never a half-deleted step-N
-            else:
-                (checkpoint / layout.MARKER_NAME).remove()  # first: from here on it never counts
-                doomed = checkpoint
+            doomed = self.completion.retire(self.folder, old)
             self._hook("prune", step)
             doomed.remove()
 
-    def load(self, checkpoint: CheckpointInfo | Location | Path, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
+    def load(self, checkpoint: CheckpointInfo | Where, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
         """Load every part not excluded; keys this rank needs but the checkpoint lacks are reported.
         ``checkpoint``: a folder, or what :func:`inspect_checkpoint` read from it (not read again)."""
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)

@@ -5,10 +5,10 @@
 :class:`Location` is a path on one, with path-like methods (``/``, ``name``, ``read_text``...). Two storages:
 
 * :class:`LocalStorage` — a folder on a local or shared POSIX filesystem (also ``file://``). It renames
-  atomically, so a save is written to ``step-N.partial`` and renamed (layout.py). It never follows a link:
+  atomically, so a save is written to ``step-N.partial`` and renamed (layout.Renamed). It never follows a link:
   a symlink, or anything that is neither a regular file nor a folder, is an entry of kind ``"other"``.
 * :class:`FsspecStorage` — any fsspec filesystem. Object stores have no atomic rename: a save is written in
-  place and counts only once its completion marker, written last, is there (layout.py). Credentials and
+  place and counts only once its completion marker, written last, is there (layout.Marked). Credentials and
   endpoints come from each backend's own environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...,
   ``GOOGLE_APPLICATION_CREDENTIALS``); its package (s3fs, gcsfs) is imported only when a URL needs it. A store
   that fails or does not answer (a bounded wait: :data:`S3_ANSWER`) is one :class:`CheckpointError` naming it.
@@ -16,7 +16,8 @@
 The folder a user names is where the checkpoints are, a symlink or not (:func:`checkpoint_folder` follows that
 one link); links inside it are never followed.
 
-:func:`locate` is the one place that tells a URL from a path.
+:func:`locate` is the one place that tells a URL from a path. This module imports none of the checkpoint code:
+DCP's readers and writers for each storage are dcp_io.py's.
 """
 
 from __future__ import annotations
@@ -323,7 +324,8 @@ class Location:
 
     @property
     def native(self) -> Path | Location:
-        """What callers outside checkpoint/ get: the local ``Path``, or this location on an object store."""
+        """What callers outside checkpoint/ get: the local ``Path`` (they use it as one), or this location on an
+        object store."""
         return self.local or self
 
     def kind(self) -> str | None:
@@ -372,7 +374,11 @@ class Location:
 _LOCAL = LocalStorage()
 
 
-def is_url(where: str | Path) -> bool:
+# What names a place: a local path, a URL, or a location.
+Where = str | os.PathLike | Location
+
+
+def is_url(where: Where) -> bool:
     return isinstance(where, str) and _URL.match(where) is not None
 
 
@@ -385,7 +391,7 @@ def _refuse_one_slash(where: str) -> None:
                               f"write {url}")
 
 
-def locate(where: str | Path | Location) -> Location:
+def locate(where: Where) -> Location:
     """The location a path (local) or a URL (``file://`` is local; any other scheme through fsspec) names."""
     if isinstance(where, Location):
         return where
@@ -424,7 +430,7 @@ def _options(protocol: str) -> dict[str, Any]:
     return options
 
 
-def folder_location(where: str | Path | Location) -> Location:
+def folder_location(where: Where) -> Location:
     """The folder a user names (a checkpoint folder): a local symlink there is followed, to where the
     checkpoints are (``DUMP/checkpoint -> /bigger/disk/run1``); nothing below it ever is."""
     folder = locate(where)
