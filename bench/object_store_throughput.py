@@ -25,7 +25,7 @@ from fsspec.registry import get_filesystem_class
 import torch.distributed.checkpoint as dcp
 
 from bench.common import build_run, config_for, folder_bytes, median, parser, scratch_parent, spread, table, timed
-from torchtitan_rng.checkpoint import integrity
+from torchtitan_rng.checkpoint import dcp_io, integrity
 from torchtitan_rng.checkpoint.layout import step_dir
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.storage import locate
@@ -94,7 +94,7 @@ def main() -> None:
                 remote = CheckpointManager(bucket, run.parts, interval=1)
                 mbs["s3"].append(size / timed(lambda: remote.save(index)) / 1e6)
                 upload = bucket / f"upload-{index}"
-                mbs["s3 upload"].append(size / timed(lambda: dcp.save(dict(run.parts), storage_writer=upload.writer()))
+                mbs["s3 upload"].append(size / timed(lambda: dcp.save(dict(run.parts), storage_writer=dcp_io.writer(upload)))
                                         / 1e6)
                 mbs["s3 checksums"].append(size / timed(lambda: integrity.write_checksums(upload)) / 1e6)
             finally:

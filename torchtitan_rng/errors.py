@@ -57,6 +57,12 @@ def exit_without_torch(command: str) -> None:
         sys.exit(report(missing))
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), else its type's name."""
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
+
+
 # No space left, a quota, a file-size limit: to the user, all "the disk is full".
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 

@@ -37,7 +37,8 @@ import torch
 
 from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import METADATA_NAME
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoint
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.storage import Location, is_url
 from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags

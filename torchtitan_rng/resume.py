@@ -29,8 +29,8 @@ import torch
 
 from torchtitan_rng import skips
 from torchtitan_rng.checkpoint import integrity, layout, run_record
-from torchtitan_rng.checkpoint.manager import CheckpointManager
-from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder
+from torchtitan_rng.checkpoint.manager import CheckpointManager, saves_at
+from torchtitan_rng.checkpoint.storage import Location, Where, checkpoint_folder, locate
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
@@ -76,7 +76,42 @@ def resolved(config: JobConfig) -> dict[str, Any]:
 
 
 def build_record(config: JobConfig, dataset: Any) -> dict[str, Any]:
-    return run_record.make_record(resolved(config), data_fingerprint(config.training, dataset))
+    record = run_record.make_record(resolved(config), data_fingerprint(config.training, dataset))
+    record[WRITTEN_BY] = _dump_folder(config)
+    return record
+
+
+# The record's key for the dump folder of the run that wrote a checkpoint (absolute): a checkpoint folder that
+# two dump folders share (a URL prefix, an absolute folder) holds checkpoints of either.
+WRITTEN_BY = "dump_folder"
+_WRITTEN_BY_KEY = "job.dump_folder"  # what checkpoint.allow_config_change names to resume another's checkpoints
+
+
+def _dump_folder(config: JobConfig) -> str:
+    return str(Path(config.job.dump_folder).resolve())
+
+
+def refuse_another_runs(config: JobConfig, path: Where) -> list[str]:
+    """A checkpoint of this run's checkpoint folder written from another dump folder (the folder is shared) is
+    that run's: resuming it here would go on with its history in another loss log, and write into its
+    checkpoints. Refused, or a WARNING where checkpoint.allow_config_change names job.dump_folder. Not checked
+    for a checkpoint folder inside the dump folder (moved with it) or a checkpoint given as initial_load_path."""
+    folder, checkpoint = folder_of(config), locate(path)
+    dump = Path(_dump_folder(config))
+    moves_with_dump = folder.local is not None and folder.local.resolve().is_relative_to(dump)
+    if checkpoint != folder / checkpoint.name or moves_with_dump:
+        return []
+    saved = (run_record.read_record(checkpoint) or {}).get(WRITTEN_BY)
+    if not isinstance(saved, str) or saved == str(dump):
+        return []
+    said = (f"checkpoint {checkpoint} was written by the run of dump folder {saved}, not this one ({dump}): "
+            f"both keep checkpoints in {folder}")
+    if _WRITTEN_BY_KEY in config.checkpoint.allow_config_change:
+        return [f"WARNING: {said}; this run goes on from it as checkpoint.allow_config_change allows "
+                f"{_WRITTEN_BY_KEY}, and saves into that run's checkpoints"]
+    raise CheckpointError(f"{said}; resume that run with --job.dump_folder {saved}, give this run its own "
+                          f"--checkpoint.folder, or pass --checkpoint.allow_config_change {_WRITTEN_BY_KEY} to "
+                          "continue that run's checkpoints from this dump folder")
 
 
 # --- which checkpoint, and may it be resumed --------------------------------------------------------------
@@ -103,14 +138,17 @@ def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
     return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
-def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], world_size: int | None,
+def vet_for(config: JobConfig, path: Where, record: dict[str, Any], world_size: int | None,
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
     rule = plan_class(config.parallelism)
-    return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
-               record=record, allowed=config.checkpoint.allow_config_change, device=device,
-               signing=signing_of(config.checkpoint), layout_keys=rule.layout_keys())
+    on_change = config.checkpoint.on_world_size_change
+    vetted = vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, on_change), record=record,
+                 allowed=config.checkpoint.allow_config_change, device=device,
+                 signing=signing_of(config.checkpoint), layout_keys=rule.layout_keys())
+    vetted.warnings.extend(refuse_another_runs(config, path))
+    return vetted
 
 
 # --- loading, and how the streams start ---------------------------------------------------------------------
@@ -131,6 +169,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
             log(f"note: {line}")
     path = checkpoint_to_resume(config)
     if path is None:
+        refuse_overwrite(config, 0)
         return StreamPlan("fresh"), None
     world = plan.world
     vetted = vet_for(config, path, checkpointer.run_record, world.world_size, world.device)
@@ -139,9 +178,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
                                                      *([] if keep_loader else [layout.DATALOADER])])
     skips.refuse_past_steps(config, run_record.read_record(path), path, train_state.step)
-    last_step = config.training.steps
-    layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
-                                                  if checkpointer.should_save(step, last_step)])
+    refuse_overwrite(config, train_state.step)
     for line in vetted.warnings:  # once the resume goes on: a note that it does must not precede a refusal
         log(line)
     plan.position_data(sampler, train_state.step, vetted.info.saved_world_size, vetted.reseed)
@@ -155,7 +192,16 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     return plan_streams(config.checkpoint, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
 
 
-def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Path | Location, reseeded: bool, no_rng: bool,
+def refuse_overwrite(config: JobConfig, start: int) -> None:
+    """Refuse, before training from step ``start``, a save this run would make over what is not its own
+    (layout.refuse_overwrite)."""
+    ckpt, last_step = config.checkpoint, config.training.steps
+    if ckpt.enable:
+        layout.refuse_overwrite(folder_of(config), [step for step in range(start + 1, last_step + 1)
+                                                    if saves_at(step, ckpt.interval, last_step)])
+
+
+def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Where, reseeded: bool, no_rng: bool,
                  world_size: int, warn: Callable[[str], None]) -> StreamPlan:
     """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
     if not ckpt.restore_rng or layout.TRAIN_STATE in ckpt.exclude_from_loading:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from torchtitan_rng.checkpoint import layout, run_record
-from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder, is_url
 from torchtitan_rng.config import JobConfig, from_values
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report

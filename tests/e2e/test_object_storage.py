@@ -134,13 +134,17 @@ def store(tmp_path_factory: pytest.TempPathFactory, llama_uninterrupted_two_proc
         facts["samples"] = {where: _samples(dump, *where) for where in [(), ("--checkpoint.folder", RUN)]}
         facts["objects"] = sorted(s3().find(f"{BUCKET}/run/checkpoint"))
         launch = {"nproc": 2, "check": False}
-        facts["signed_tampered"], facts["damaged"], facts["no_key"] = together(
+        facts["signed_tampered"], facts["damaged"], facts["no_key"], facts["second"], facts["control"] = together(
             lambda: train(root / "t2", "--training.steps", "5", *COMMON, "--checkpoint.folder", tampered, *SIGNED,
                           env=env, **launch),
             lambda: train(root / "d", "--training.steps", "5", *COMMON, "--checkpoint.folder", damaged, env=env,
                           **launch),
             lambda: train(root / "k", "--training.steps", "5", *COMMON, *STORE, *SIGNED,
-                          env={name: value for name, value in env.items() if name != KEY_ENV}, **launch))
+                          env={name: value for name, value in env.items() if name != KEY_ENV}, **launch),
+            # Another dump folder on the run's prefix: with checkpointing, and without (a control run).
+            lambda: train(root / "second", "--training.steps", "10", *COMMON, *STORE, *SIGNED, env=env, **launch),
+            lambda: train(root / "control", "--training.steps", "10", "--checkpoint.folder", RUN, env=env,
+                          **launch))
         facts["urls"] = {"tampered": tampered, "damaged": damaged}
         yield facts
 
@@ -202,6 +206,17 @@ def test_a_damaged_object_is_refused_naming_it(store: dict) -> None:
 
 def test_a_missing_signing_key_is_refused(store: dict) -> None:
     assert_refused(store["no_key"], f"checkpoints are signed with the key in ${KEY_ENV}, but ${KEY_ENV} is not set")
+
+
+def test_another_dump_folder_on_the_runs_prefix_is_refused_naming_where_the_checkpoints_are(store: dict) -> None:
+    """run.json says which dump folder wrote a checkpoint: a second dump folder resuming the run's prefix is
+    refused; one that does not checkpoint is told the checkpoints are on the store, not in its dump folder."""
+    root = store["root"]
+    assert_refused(store["second"], f"checkpoint {RUN}/step-8 was written by the run of dump folder {root / 'run'}, "
+                   f"not this one ({root / 'second'}): both keep checkpoints in {RUN}")
+    assert_refused(store["control"], f"checkpoint folder {RUN} already holds a run (checkpoints 6, 8) and "
+                   "checkpoint.enable is off")
+    assert sorted(s3().find(f"{BUCKET}/run/checkpoint")) == store["objects"]  # neither wrote anything
 
 
 # --- only what the run wrote, on a local folder ---------------------------------------------------------

@@ -11,6 +11,8 @@ from typing import Any
 
 from moto.server import ThreadedMotoServer
 
+_SERVERS: dict[str, ThreadedMotoServer] = {}  # by endpoint: the server answering there now
+
 
 @contextmanager
 def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
@@ -19,7 +21,9 @@ def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+    endpoint = f"http://{host}:{port}"
+    _SERVERS[endpoint] = server
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -28,13 +32,29 @@ def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
         s3().mkdir(bucket)
         yield env
     finally:
-        server.stop()
+        _SERVERS.pop(endpoint).stop()
         _forget_endpoints()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextmanager
+def server_down(env: dict[str, str]) -> Iterator[None]:
+    """The server of ``env`` (from :func:`s3_server`) stopped for the block: a store that went away. Its
+    objects are kept (moto's state lives in this process) and the same endpoint answers again after it."""
+    endpoint = env["AWS_ENDPOINT_URL"]
+    _SERVERS[endpoint].stop()
+    try:
+        yield
+    finally:
+        host, port = endpoint.removeprefix("http://").rsplit(":", 1)
+        server = ThreadedMotoServer(ip_address=host, port=int(port), verbose=False)
+        server.start()
+        _SERVERS[endpoint] = server
+        _forget_endpoints()
 
 
 def _forget_endpoints() -> None:

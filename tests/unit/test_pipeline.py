@@ -14,7 +14,7 @@ from tests.support.launch import REPO
 from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
-from torchtitan_rng.checkpoint.safe_load import inspect_checkpoint
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.parallel import plan_class

@@ -4,8 +4,9 @@ What a checkpoint holds (the whole format, with examples: docs/checkpoint_format
 
 ``{folder}/step-N/`` — written as ``step-N.partial`` and renamed once every rank has finished (layout.py), so
 a ``step-N`` with DCP's ``.metadata`` is complete; ``step-N.deleting`` is a pruned one being removed. The
-folder may be a URL (storage.py: a local folder or an fsspec store behind one interface); a store cannot
-rename, so there a ``step-N/`` counts once ``complete.json``, written last, is in it.
+folder may be a URL (storage.py: a local folder or an fsspec store behind one interface; dcp_io.py: DCP's
+reader and writer for each); a store cannot rename, so there a ``step-N/`` counts once ``complete.json``,
+written last, is in it (layout.completion: the one rule of each storage).
 
 * ``.metadata`` and ``__{rank}_{i}.distcp``: one torch.distributed.checkpoint state dict whose top-level keys
   are the parts (layout.PARTS, assembled by states.checkpoint_parts):

@@ -22,17 +22,14 @@ import hmac
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, NoReturn
 
 import numpy as np
 
-from torchtitan_rng.checkpoint.layout import MARKER_NAME
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.layout import CHECKSUMS_NAME, MARKER_NAME, SIGNATURE_NAME
+from torchtitan_rng.checkpoint.storage import Location, Where, locate
 from torchtitan_rng.errors import CheckpointError
 
-CHECKSUMS_NAME = "checksums.json"
-SIGNATURE_NAME = "signature.json"
 # Set by the launcher for the ranks: the checkpoint whose files it verified before starting them.
 VERIFIED_ENV = "TORCHTITAN_RNG_VERIFIED_CHECKPOINT"
 BLOCK_BYTES = 32 * 1024
@@ -42,7 +39,7 @@ _MASK = (1 << 64) - 1
 _UNSUMMED = {CHECKSUMS_NAME, SIGNATURE_NAME, MARKER_NAME}
 
 
-def file_sum(path: Location | Path) -> str:
+def file_sum(path: Where) -> str:
     """The 128-bit Fletcher-style sum of a file as 32 hex digits (see the module's docstring), over the
     buffers its storage hands out (a local file: memory-mapped, summed in place with no copy)."""
     block_sums: list[np.ndarray] = []
@@ -91,7 +88,7 @@ def _hmac(key: SigningKey, checksums: bytes) -> str:
     return hmac.new(key.key, checksums, hashlib.sha256).hexdigest()
 
 
-def write_checksums(folder: Location | Path, key: SigningKey | None = None) -> None:
+def write_checksums(folder: Where, key: SigningKey | None = None) -> None:
     """Record every file of a finished checkpoint folder (call it after the last file is written); with a
     key, sign the record."""
     folder = locate(folder)
@@ -104,7 +101,7 @@ def write_checksums(folder: Location | Path, key: SigningKey | None = None) -> N
                                                          "hmac": _hmac(key, record)}, indent=1) + "\n")
 
 
-def verify_signature(folder: Location | Path, key: SigningKey | None) -> list[str]:
+def verify_signature(folder: Where, key: SigningKey | None) -> list[str]:
     """With a key: CheckpointError unless ``checksums.json`` carries this key's signature. Without one:
     a note when the checkpoint is signed all the same (it cannot be checked here). Reads two small files."""
     folder = locate(folder)
@@ -132,7 +129,7 @@ def _refuse(folder: Location, why: str) -> NoReturn:
                           "a checkpoint signed with this key (load_step=), or check the key")
 
 
-def verify_integrity(folder: Location | Path) -> bool:
+def verify_integrity(folder: Where) -> bool:
     """True when every recorded file is there unchanged; False when the checkpoint has no checksums (saved
     by an older version); CheckpointError naming the first file that differs. Reads every byte: call it
     once per resume, on one process."""
@@ -147,7 +144,7 @@ RESUME_ADVICE = ("move it out of the folder (a resume then picks the newest chec
 TOOL_ADVICE = "restore it from a copy, or move it away and pick another step"
 
 
-def verify_files(folder: Location | Path, names: Iterable[str] | None = None,
+def verify_files(folder: Where, names: Iterable[str] | None = None,
                  advice: str = RESUME_ADVICE) -> bool:
     """:func:`verify_integrity` of the files ``names`` only (None: every recorded file), for a reader that
     reads just those (``run.json``, ``.metadata``): a named file the checksums do not list is damage too, as a

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.storage import Location, Where, locate
 from torchtitan_rng.errors import CheckpointError
 
 # The parts every checkpoint of a run holds, by name (the top-level keys of DCP's state dict).
@@ -45,16 +45,18 @@ PARTIAL_SUFFIX = ".partial"
 DELETING_SUFFIX = ".deleting"
 MARKER_NAME = "complete.json"  # written last into a finished save: {"step": N}
 METADATA_NAME = ".metadata"  # DCP's index
+RECORD_NAME = "run.json"  # run_record.py
+CHECKSUMS_NAME = "checksums.json"  # integrity.py
+SIGNATURE_NAME = "signature.json"  # integrity.py, with a signing key
+# Every file a save writes into its folder: anything else there is not the run's (strangers()).
+_OUR_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
+                        + "|".join(re.escape(name) for name in (RECORD_NAME, CHECKSUMS_NAME, SIGNATURE_NAME,
+                                                                MARKER_NAME)) + ")$")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_DELETING = re.compile(r"^step-\d+" + re.escape(DELETING_SUFFIX) + "$")
 # Per-rank values live under rank-unique keys: DCP keeps only one copy of a same-key non-DTensor value saved
 # from every rank, so a shared key would hand every rank rank 0's value on load.
 _PER_RANK_KEY = re.compile(r"^(dp_)?rank_(\d+)$")
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (at most 300 characters), else its type's name."""
-    lines = str(err).strip().splitlines()
-    return lines[0][:300] if lines else type(err).__name__
 
 
 def rank_key(rank: int) -> str:
@@ -80,22 +82,85 @@ def saved_world_size(keys: Iterable[str]) -> int | None:
     return count or None
 
 
-Folder = Path | str | Location  # a local path, a URL, or a location (storage.locate)
+def step_location(folder: Where, step: int) -> Location:
+    """The folder of the checkpoint of ``step``."""
+    return locate(folder) / f"step-{step}"
 
 
-def step_dir(folder: Folder, step: int) -> Path | Location:
-    """The folder of the checkpoint of ``step`` (a ``Path`` when local)."""
-    return (locate(folder) / f"step-{step}").native
+def step_dir(folder: Where, step: int) -> Path | Location:
+    """:func:`step_location` as callers outside checkpoint/ get it (a ``Path`` when local)."""
+    return step_location(folder, step).native
 
 
-def partial_dir(folder: Folder, step: int) -> Location:
+def partial_dir(folder: Where, step: int) -> Location:
     """Where the save of ``step`` is written before it is complete (where folders are renamed atomically)."""
     return locate(folder) / f"step-{step}{PARTIAL_SUFFIX}"
 
 
-def deleting_dir(folder: Folder, step: int) -> Location:
+def deleting_dir(folder: Where, step: int) -> Location:
     """Where a pruned ``step-N`` goes before it is deleted (where folders are renamed atomically)."""
     return locate(folder) / f"step-{step}{DELETING_SUFFIX}"
+
+
+class Renamed:
+    """The completion rule of a storage that renames folders atomically (a local folder): a save is written to
+    ``step-N.partial`` and renamed to ``step-N`` once complete; a pruned checkpoint is renamed to
+    ``step-N.deleting`` before it is deleted. A ``step-N`` folder with ``.metadata`` and no marker is one from
+    before markers, which the rename alone made complete; without ``.metadata`` it is damaged."""
+
+    unmarked = "damaged"  # what a step-N folder without a marker (nor .metadata) is
+    without_checksums = "saved by an older version"  # why a complete checkpoint may have no checksums
+
+    def target(self, folder: Location, step: int) -> Location:
+        return partial_dir(folder, step)
+
+    def finish(self, folder: Location, step: int) -> None:
+        """After the marker: make the save ``step-N``."""
+        folder.storage.rename(partial_dir(folder, step).path, step_location(folder, step).path)
+
+    def complete_unmarked(self, checkpoint: Location) -> bool:
+        return (checkpoint / METADATA_NAME).is_file()
+
+    def retire(self, folder: Location, step: int) -> Location:
+        """Take a checkpoint out of the complete ones in one atomic step; returns what is left to delete."""
+        doomed = deleting_dir(folder, step)
+        folder.storage.rename(step_location(folder, step).path, doomed.path)  # never a half-deleted step-N
+        return doomed
+
+    def leftovers(self, folder: Location) -> list[Location]:
+        """What a prune that was killed left to delete."""
+        return [entry for entry in folder.entries() if _DELETING.match(entry.name) and entry.is_dir()]
+
+
+class Marked:
+    """The completion rule of an object store (no rename): a save is written to ``step-N/`` in place and counts
+    once its marker, written last, is there; pruning deletes the marker first. Without a marker a ``step-N/``
+    is a save cut short, never picked."""
+
+    unmarked = "unfinished"
+    without_checksums = f"its {CHECKSUMS_NAME} was removed or never written"  # every save on a store wrote one
+
+    def target(self, folder: Location, step: int) -> Location:
+        return step_location(folder, step)
+
+    def finish(self, folder: Location, step: int) -> None:
+        """Nothing after the marker: it made the save complete."""
+
+    def complete_unmarked(self, checkpoint: Location) -> bool:
+        return False
+
+    def retire(self, folder: Location, step: int) -> Location:
+        checkpoint = step_location(folder, step)
+        (checkpoint / MARKER_NAME).remove()  # first: from here on it never counts
+        return checkpoint
+
+    def leftovers(self, folder: Location) -> list[Location]:
+        return []
+
+
+def completion(folder: Where) -> Renamed | Marked:
+    """The completion rule of the storage ``folder`` is on: the one place that asks whether it renames."""
+    return Renamed() if locate(folder).storage.atomic_rename else Marked()
 
 
 def write_marker(checkpoint: Location, step: int) -> None:
@@ -123,11 +188,14 @@ class Scan:
     damaged: list[int] = field(default_factory=list)  # a folder that cannot be a save of ours (no .metadata)
     unfinished: list[int] = field(default_factory=list)  # on an object store: a save cut short (no marker)
     ignored: list[str] = field(default_factory=list)  # one line per entry this code did not write
+    # The step-N entries a save of N must not land on, by step: what this code did not write (each named).
+    foreign: dict[int, str] = field(default_factory=dict)
 
 
-def scan(folder: Folder) -> Scan:
+def scan(folder: Where) -> Scan:
     """Every ``step-N`` entry of ``folder``, without following a link or reading more than the markers."""
     folder = locate(folder)
+    rule = completion(folder)
     found = Scan()
     for entry in folder.entries():
         match = _STEP_DIR.match(entry.name)
@@ -139,44 +207,57 @@ def scan(folder: Folder) -> Scan:
             what = "a symlink or special file" if kind == "other" else "a file"
             found.ignored.append(f"{entry} is {what}, not a checkpoint this run wrote: ignored (never followed, "
                                  "renamed or deleted)")
+            found.foreign[step] = not_ours(entry, f"is {what}")
             continue
         marked = _marked_step(entry)
         if marked is not None and marked != step:
             found.ignored.append(f"{entry} holds a checkpoint saved as another step (its {MARKER_NAME} names "
                                  f"{marked}): ignored; give it as initial_load_path= to start from it")
-        elif marked is not None or (entry.storage.atomic_rename and (entry / METADATA_NAME).is_file()):
-            found.complete.append(step)  # a folder from before markers: the rename alone made it complete
-        elif entry.storage.atomic_rename:
+            found.foreign[step] = not_ours(entry, f"holds a checkpoint saved as step {marked} (a copy)")
+        elif marked is not None or rule.complete_unmarked(entry):
+            found.complete.append(step)
+        elif rule.unmarked == "damaged":
             found.damaged.append(step)
+            found.foreign[step] = not_ours(entry, "is a folder without .metadata")
         else:
-            found.unfinished.append(step)
+            found.unfinished.append(step)  # a save of ours cut short, redone by the next save of its step...
+            others = strangers(entry)
+            if others:  # ...unless it holds what no save writes
+                found.foreign[step] = not_ours(entry, f"holds files a save does not write ({', '.join(others[:3])})")
     for steps in (found.complete, found.damaged, found.unfinished):
         steps.sort()
     return found
 
 
-def complete_steps(folder: Folder) -> list[int]:
+def complete_steps(folder: Where) -> list[int]:
     """Steps of the complete checkpoints in ``folder``, oldest first."""
     return scan(folder).complete
 
 
-def damaged_steps(folder: Folder) -> list[int]:
+def damaged_steps(folder: Where) -> list[int]:
     """Steps of ``step-N`` folders without DCP's ``.metadata`` (never left by this code, see above)."""
     return scan(folder).damaged
 
 
-def ignored_entries(folder: Folder) -> list[str]:
+def ignored_entries(folder: Where) -> list[str]:
     """One line per ``step-N`` entry of ``folder`` that this code did not write (see above)."""
     return scan(folder).ignored
 
 
+def not_ours(entry: Location, what: str) -> str:
+    """The refusal of a save into ``entry``, which ``what`` says the run did not write."""
+    return f"cannot save into {entry}: it {what}; it is not this run's, so it is left as it is: move it away"
+
+
+def strangers(folder: Location) -> list[str]:
+    """The files below a ``step-N`` folder that no save writes (a user's notes, a copy's extras): the one rule
+    for what the run did not write there, which is never deleted or written over."""
+    return [name for name in folder.files() if not _OUR_FILES.match(name)]
+
+
 def _is_checkpoint(folder: Location) -> bool:
     """Whether ``folder`` itself is a complete checkpoint (whatever its name)."""
-    if not folder.is_dir():
-        return False
-    if folder.storage.atomic_rename:
-        return (folder / METADATA_NAME).is_file()
-    return _marked_step(folder) is not None
+    return folder.is_dir() and (_marked_step(folder) is not None or completion(folder).complete_unmarked(folder))
 
 
 def _refuse_damaged(folder: Location, found: Scan, load_step: int) -> None:
@@ -194,8 +275,8 @@ def _describe(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if steps else "none"
 
 
-def resolve_checkpoint(own_folder: Folder, load_step: int = -1,
-                       initial_load_path: str | Path = "") -> Path | Location | None:
+def resolve_checkpoint(own_folder: Where, load_step: int = -1,
+                       initial_load_path: Where = "") -> Path | Location | None:
     """The checkpoint a run starts from: its own newest (or ``load_step``), else ``initial_load_path``."""
     own_folder = locate(own_folder)
     found = scan(own_folder)
@@ -239,11 +320,20 @@ def resolve_checkpoint(own_folder: Folder, load_step: int = -1,
     return None
 
 
-def refuse_overwrite(folder: Folder, planned_saves: Iterable[int]) -> None:
-    """A run resumed from an older checkpoint must not save over a newer one of an earlier history."""
-    taken = sorted(set(planned_saves) & set(complete_steps(folder)))
+def refuse_overwrite(folder: Where, planned_saves: Iterable[int]) -> None:
+    """Before saving ``planned_saves``: a run resumed from an older checkpoint must not save over a newer one of
+    an earlier history, and no save may land on an entry the run did not write (a user's copy under another
+    step's name, a symlink or file named ``step-N``, a folder holding other files). Foreseen at start, so a
+    run is refused before it trains, not at the save."""
+    folder = locate(folder)
+    planned = set(planned_saves)
+    found = scan(folder)
+    taken = sorted(planned & set(found.complete))
     if taken:
         raise CheckpointError(
-            f"this run would save over the existing checkpoints {_describe(taken)} in {locate(folder)}; resume "
+            f"this run would save over the existing checkpoints {_describe(taken)} in {folder}; resume "
             "into a fresh folder with initial_load_path=, or move those checkpoints away"
         )
+    clash = sorted(planned & set(found.foreign))
+    if clash:
+        raise CheckpointError(f"this run saves step {clash[0]}: {found.foreign[clash[0]]}")

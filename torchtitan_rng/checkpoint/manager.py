@@ -15,7 +15,6 @@ Errors name this class's parameters; test hooks (fault injection) are handed in,
 
 from __future__ import annotations
 
-import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,13 +26,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from torchtitan_rng.checkpoint import integrity, layout, run_record
-from torchtitan_rng.checkpoint.layout import first_line
-from torchtitan_rng.errors import CheckpointError, disk_full
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner, inspect_checkpoint
+from torchtitan_rng.checkpoint import dcp_io, integrity, layout, run_record
+from torchtitan_rng.errors import CheckpointError, disk_full, first_line
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.storage import Location, Where, folder_location
 from torchtitan_rng.distributed import barrier
 
 
@@ -50,12 +49,6 @@ def _first_failure(err: CheckpointException) -> BaseException:
     return next(iter(err.failures.values()))[0]
 
 
-# The files a save writes into its folder: a leftover folder of a save cut short holds only these.
-_OUR_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
-                        + "|".join(re.escape(name) for name in (run_record.RECORD_NAME, integrity.CHECKSUMS_NAME,
-                                                                integrity.SIGNATURE_NAME, layout.MARKER_NAME))
-                        + ")$")
-
 def _save_failure(step: int, folder: Location, err: BaseException) -> CheckpointError:
     """One line for a failed save: "the disk is full" when it is, else the original error's first line."""
     cause = _first_failure(err) if isinstance(err, CheckpointException) else err
@@ -65,9 +58,6 @@ def _save_failure(step: int, folder: Location, err: BaseException) -> Checkpoint
     return CheckpointError(f"saving step {step} into {folder} failed: {type(cause).__name__}: {first_line(cause)}")
 
 
-_DELETING = re.compile(r"^step-\d+" + re.escape(layout.DELETING_SUFFIX) + "$")
-
-
 def _clear_unfinished(folder: Location) -> None:
     """Make way for a save into ``folder``: a leftover there is a save of ours cut short (never a usable
     checkpoint: a complete one is refused before, layout.refuse_overwrite) when it holds only the files a
@@ -75,13 +65,17 @@ def _clear_unfinished(folder: Location) -> None:
     kind = folder.kind()
     if kind is None:
         return
-    strangers = [name for name in folder.files() if not _OUR_FILES.match(name)] if kind == "dir" else []
+    strangers = layout.strangers(folder) if kind == "dir" else []
     if kind != "dir" or strangers:
         what = f"holds files a save does not write ({', '.join(strangers[:3])})" if strangers else \
             "is not a folder (a symlink or a file)"
-        raise CheckpointError(f"cannot save into {folder}: it {what}; it is not this run's, so it is left as "
-                              "it is: move it away")
+        raise CheckpointError(layout.not_ours(folder, what))
     folder.remove()
+
+
+def saves_at(step: int, interval: int, last_step: int | None) -> bool:
+    """The save policy: a multiple of ``interval``, or the last step."""
+    return step % interval == 0 or step == last_step
 
 
 @dataclass
@@ -107,11 +101,14 @@ class CheckpointManager:
         signing: the key that signs each checkpoint's checksums (integrity.py); None: unsigned.
     """
 
-    def __init__(self, folder: Path | str | Location, parts: dict[str, Stateful], *, interval: int,
+    def __init__(self, folder: Where, parts: dict[str, Stateful], *, interval: int,
                  enable: bool = True, keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
                  hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None,
                  signing: integrity.SigningKey | None = None) -> None:
-        self.folder = locate(folder)
+        self.folder = folder_location(folder)
+        self.completion = layout.completion(self.folder)  # how a save becomes complete there
+        if enable:
+            self.folder.check()
         self.signing = signing
         self.parts = parts
         self.interval = interval
@@ -125,12 +122,13 @@ class CheckpointManager:
         self._pending: tuple[int, Future, float] | None = None  # the background save: step, future, start time
         self._background_group: Any = None
         self._stager: HostCopyStager | None = None
+        self._kept: set[int] = set()  # pruned steps kept for what the run did not write (said once each)
         # The run's record (run_record.py), written into every checkpoint when set.
         self.run_record: dict[str, Any] | None = None
 
     def should_save(self, step: int, last_step: int | None = None) -> bool:
         """The policy: a multiple of ``interval``, or the last step."""
-        return self.enable and (step % self.interval == 0 or step == last_step)
+        return self.enable and saves_at(step, self.interval, last_step)
 
     def save(self, step: int, *, last_step: int | None = None, force: bool = False) -> Path | Location | None:
         """Call at every step boundary, on every rank (a save is a collective). Saves when the policy says so
@@ -155,16 +153,9 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             raise _save_failure(step, self.folder, err) from None
 
-    def _target(self, step: int) -> Location:
-        """Where the save of ``step`` is written: ``step-N.partial`` (renamed when complete), or on an object
-        store ``step-N`` itself (marked when complete)."""
-        if self.folder.storage.atomic_rename:
-            return layout.partial_dir(self.folder, step)
-        return locate(layout.step_dir(self.folder, step))
-
     def _write(self, step: int, in_background: bool) -> Path | Location:
         started = time.perf_counter()
-        partial = self._target(step)
+        partial = self.completion.target(self.folder, step)
         if self.rank == 0:
             _clear_unfinished(partial)
             partial.makedirs()
@@ -172,13 +163,13 @@ class CheckpointManager:
         planner = self.hooks.save_planner(step) if self.hooks else None
         self.last_saved_step = step
         if in_background:
-            future = dcp.async_save(dict(self.parts), storage_writer=partial.writer(),
+            future = dcp.async_save(dict(self.parts), storage_writer=dcp_io.writer(partial),
                                     process_group=self._group(), async_stager=self._staging(), planner=planner)
             self._pending = (step, future, started)
             self._say(f"checkpoint step-{step}: staged in {time.perf_counter() - started:.2f} s, writing in the "
                       "background")
             return layout.step_dir(self.folder, step)
-        dcp.save(dict(self.parts), storage_writer=partial.writer(), planner=planner)
+        dcp.save(dict(self.parts), storage_writer=dcp_io.writer(partial), planner=planner)
         self._hook("save_written", step)
         barrier()
         if self.rank == 0:
@@ -240,40 +231,37 @@ class CheckpointManager:
             self._stager.close()
 
     def _complete(self, step: int) -> None:
-        partial = self._target(step)
+        partial = self.completion.target(self.folder, step)
         if self.run_record is not None:
             run_record.write_record(partial, self.run_record)
         integrity.write_checksums(partial, self.signing)  # it covers every file above
         self._hook("save_marking", step)
         layout.write_marker(partial, step)  # last: from here on it counts (on an object store)
-        storage = self.folder.storage
-        if storage.atomic_rename:
-            storage.rename(partial.path, locate(layout.step_dir(self.folder, step)).path)
+        self.completion.finish(self.folder, step)
         self._hook("save_renamed", step)
         self._prune(step)
 
     def _prune(self, step: int) -> None:
         """Delete complete checkpoints older than the newest ``keep_latest_k``: only folders this code wrote
-        (layout.scan), never an entry it did not."""
-        storage = self.folder.storage
-        if storage.atomic_rename:
-            for leftover in self.folder.entries():  # from a prune that was killed
-                if _DELETING.match(leftover.name) and leftover.is_dir():
-                    leftover.remove()
+        (layout.scan), never an entry it did not, nor one holding a file it did not write (layout.strangers)."""
+        for leftover in self.completion.leftovers(self.folder):
+            leftover.remove()
         if self.keep_latest_k <= 0:
             return
         for old in layout.complete_steps(self.folder)[: -self.keep_latest_k]:
-            checkpoint = locate(layout.step_dir(self.folder, old))
-            if storage.atomic_rename:
-                doomed = layout.deleting_dir(self.folder, old)
-                storage.rename(checkpoint.path, doomed.path)  # atomic: never a half-deleted step-N
-            else:
-                (checkpoint / layout.MARKER_NAME).remove()  # first: from here on it never counts
-                doomed = checkpoint
+            checkpoint = layout.step_location(self.folder, old)
+            strangers = layout.strangers(checkpoint)
+            if strangers:  # not the run's to delete: the whole checkpoint stays, said once
+                if old not in self._kept:
+                    self._kept.add(old)
+                    self._say(f"note: {checkpoint} is kept by keep_latest_k: it holds files a save does not "
+                              f"write ({', '.join(strangers[:3])}), which are not this run's to delete")
+                continue
+            doomed = self.completion.retire(self.folder, old)
             self._hook("prune", step)
             doomed.remove()
 
-    def load(self, checkpoint: CheckpointInfo | Location | Path, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
+    def load(self, checkpoint: CheckpointInfo | Where, exclude: list[str] | tuple[str, ...] = ()) -> LoadResult:
         """Load every part not excluded; keys this rank needs but the checkpoint lacks are reported.
         ``checkpoint``: a folder, or what :func:`inspect_checkpoint` read from it (not read again)."""
         info = checkpoint if isinstance(checkpoint, CheckpointInfo) else inspect_checkpoint(checkpoint)
@@ -293,7 +281,7 @@ class CheckpointManager:
                     del part_state[key]
             state[name] = part_state
         try:
-            dcp.load(state, storage_reader=info.path.reader(info.metadata), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=dcp_io.reader(info.path, info.metadata), planner=SafeLoadPlanner())
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             cause = _first_failure(err) if isinstance(err, CheckpointException) else err
             if isinstance(cause, CheckpointError):

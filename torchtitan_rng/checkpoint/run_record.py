@@ -22,15 +22,13 @@ import json
 import platform
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any, Sequence
 
 from torchtitan_rng.checkpoint import integrity
-from torchtitan_rng.checkpoint.layout import METADATA_NAME
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.layout import METADATA_NAME, RECORD_NAME
+from torchtitan_rng.checkpoint.storage import Where, locate
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
 
-RECORD_NAME = "run.json"
 _FORMAT = 1
 
 # Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
@@ -83,11 +81,11 @@ def make_record(values: dict[str, Any], data: dict[str, Any] | None) -> dict[str
     }
 
 
-def write_record(folder: Location | Path, record: dict[str, Any]) -> None:
+def write_record(folder: Where, record: dict[str, Any]) -> None:
     (locate(folder) / RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def read_record(checkpoint: Location | Path) -> dict[str, Any] | None:
+def read_record(checkpoint: Where) -> dict[str, Any] | None:
     """The record of a checkpoint, None when it has none (saved by an older version)."""
     path = locate(checkpoint) / RECORD_NAME
     if not path.is_file():
@@ -106,7 +104,7 @@ def read_record(checkpoint: Location | Path) -> dict[str, Any] | None:
     return record
 
 
-def read_checked_record(checkpoint: Location | Path) -> dict[str, Any] | None:
+def read_checked_record(checkpoint: Where) -> dict[str, Any] | None:
     """:func:`read_record` for a tool that reads a checkpoint without loading it (``samples``, ``replay``): its
     ``run.json`` and ``.metadata`` checked against ``checksums.json`` first, so a damaged record is refused,
     never answered from."""
@@ -125,7 +123,7 @@ def untrusted_module(values: dict[str, Any], named: str) -> str:
     return recorded if isinstance(recorded, str) and recorded and recorded != named else ""
 
 
-def refuse_untrusted_module(checkpoint: Location | Path, values: dict[str, Any], named: str) -> None:
+def refuse_untrusted_module(checkpoint: Where, values: dict[str, Any], named: str) -> None:
     """ConfigError when the record names a module the user did not (see :func:`untrusted_module`)."""
     module = untrusted_module(values, named)
     if module:
@@ -150,7 +148,7 @@ class Change:
     # What changed, when "KEY = NEW but the checkpoint was trained with SAVED" does not say it.
     what: str = ""
 
-    def describe(self, checkpoint: Location | Path) -> str:
+    def describe(self, checkpoint: Where) -> str:
         return (self.what.format(checkpoint=checkpoint) if self.what else
                 f"{self.key} = {self.new!r} but checkpoint {checkpoint} was trained with {self.saved!r}")
 
@@ -198,7 +196,7 @@ class OptIn:
         return key in allowed
 
 
-def check_resume(checkpoint: Location | Path, saved: dict[str, Any] | None, current: dict[str, Any],
+def check_resume(checkpoint: Where, saved: dict[str, Any] | None, current: dict[str, Any],
                  allowed: Sequence[str], opt_in: OptIn = OptIn(), layout_keys: Sequence[str] = ()) -> list[str]:
     """Warnings to print for a resume that may go on; raises ConfigDriftError for refused changes.
     ``layout_keys``: keys that do not change this run's bits (see :func:`differences`)."""

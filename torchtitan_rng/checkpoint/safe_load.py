@@ -3,8 +3,9 @@
 DCP's ``.metadata`` is a pickle that DCP reads with plain ``pickle.load``, and DCP's default planner
 unpickles non-tensor items with ``weights_only=False``: both could run code from a crafted checkpoint.
 Here ``.metadata`` goes through an unpickler that knows only DCP's metadata classes, and non-tensor items
-through ``torch.load(weights_only=True)``. :func:`inspect_checkpoint` reads ``.metadata`` once per resume;
-the result is handed to the load, which does not read it again.
+through ``torch.load(weights_only=True)``. ``dcp_io.inspect_checkpoint`` reads ``.metadata`` once per resume;
+the result is handed to the load, which does not read it again. Which reader a checkpoint gets, and that
+read, are dcp_io.py's: nothing here knows where a checkpoint is stored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -23,10 +24,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from torchtitan_rng.checkpoint.integrity import RESUME_ADVICE
-from torchtitan_rng.checkpoint.layout import first_line, saved_world_size
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.layout import saved_world_size
 from torchtitan_rng.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torchtitan_rng.checkpoint.storage import Location
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -141,26 +143,3 @@ class CheckpointInfo:
 
     def holds(self, part: str) -> bool:
         return any(key.startswith(part + ".") for key in self.metadata.state_dict_metadata)
-
-
-def inspect_checkpoint(path: Location | Path) -> CheckpointInfo:
-    """The metadata of a complete, undamaged checkpoint: every shard file there and long enough."""
-    path = locate(path)
-    try:
-        metadata = path.reader().read_metadata()
-    except Exception as err:  # a missing, truncated or crafted .metadata, whatever the error type
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read: its .metadata is missing or damaged ({type(err).__name__}: "
-            f"{first_line(err)}); {RESUME_ADVICE}"
-        ) from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        shard = path / name
-        if not shard.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is missing; {RESUME_ADVICE}")
-        if shard.size() < size:
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {name} is truncated "
-                                  f"({shard.size()} bytes, {size} expected); {RESUME_ADVICE}")
-    return CheckpointInfo(path, metadata)

@@ -5,18 +5,25 @@
 :class:`Location` is a path on one, with path-like methods (``/``, ``name``, ``read_text``...). Two storages:
 
 * :class:`LocalStorage` — a folder on a local or shared POSIX filesystem (also ``file://``). It renames
-  atomically, so a save is written to ``step-N.partial`` and renamed (layout.py). It never follows a link:
+  atomically, so a save is written to ``step-N.partial`` and renamed (layout.Renamed). It never follows a link:
   a symlink, or anything that is neither a regular file nor a folder, is an entry of kind ``"other"``.
 * :class:`FsspecStorage` — any fsspec filesystem. Object stores have no atomic rename: a save is written in
-  place and counts only once its completion marker, written last, is there (layout.py). Credentials and
+  place and counts only once its completion marker, written last, is there (layout.Marked). Credentials and
   endpoints come from each backend's own environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...,
-  ``GOOGLE_APPLICATION_CREDENTIALS``); its package (s3fs, gcsfs) is imported only when a URL needs it.
+  ``GOOGLE_APPLICATION_CREDENTIALS``); its package (s3fs, gcsfs) is imported only when a URL needs it. A store
+  that fails or does not answer (a bounded wait: :data:`S3_ANSWER`) is one :class:`CheckpointError` naming it.
 
-:func:`locate` is the one place that tells a URL from a path.
+The folder a user names is where the checkpoints are, a symlink or not (:func:`checkpoint_folder` follows that
+one link); links inside it are never followed.
+
+:func:`locate` is the one place that tells a URL from a path. This module imports none of the checkpoint code:
+DCP's readers and writers for each storage are dcp_io.py's.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import mmap
 import os
 import re
@@ -25,9 +32,9 @@ import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-from torchtitan_rng.errors import CheckpointError
+from torchtitan_rng.errors import CheckpointError, first_line
 
 # A URL's scheme (two letters at least: "C:" is a Windows drive, not a scheme).
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
@@ -36,6 +43,14 @@ _ONE_SLASH = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):/(?!/)")
 # Which extra installs a backend that fsspec does not bring itself.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _READ_CHUNK = 64 * 2**20  # a multiple of the checksum's block (integrity.BLOCK_BYTES)
+# How long an S3 request waits for an answer (connecting, then each read), sent once by botocore: s3fs sends
+# it again on a timeout, 5 times in all, so a store that does not answer fails the run after about 5 x 15 s
+# (with botocore's own retries too, it took minutes). $FSSPEC_S3, fsspec's own configuration
+# ('{"config_kwargs": {"read_timeout": 300}}'), wins over these, key by key.
+S3_ANSWER = {"config_kwargs": {"connect_timeout": 15, "read_timeout": 15, "retries": {"total_max_attempts": 1}}}
+# S3's rule for a bucket's name: 3-63 lowercase letters, digits, dots and hyphens, a letter or digit at each end.
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKETED = {"s3", "s3a", "gs", "gcs"}  # stores whose first path component is a bucket that must exist
 
 
 class Storage(ABC):
@@ -88,13 +103,8 @@ class Storage(ABC):
     def display(self, path: str) -> str:
         """How messages name ``path`` (a local path, or a URL)."""
 
-    @abstractmethod
-    def writer(self, folder: str) -> Any:
-        """DCP's StorageWriter for a save into ``folder`` (writer.py)."""
-
-    @abstractmethod
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        """DCP's StorageReader for ``folder``, with the safe metadata reader (safe_load.py)."""
+    def check(self, folder: str) -> None:
+        """Refuse, in one line, a checkpoint folder this storage cannot keep checkpoints in (before a run)."""
 
 
 class LocalStorage(Storage):
@@ -161,15 +171,22 @@ class LocalStorage(Storage):
     def display(self, path: str) -> str:
         return path
 
-    def writer(self, folder: str) -> Any:
-        from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
 
-        return ChecksummedFileSystemWriter(Path(folder))
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 
-        return SafeFileSystemReader(folder, metadata)
+def _answered(method: _Method) -> _Method:
+    """A store's failure (unreachable, no answer in time, no credentials, access denied...) as one line naming
+    the store; FileNotFoundError (nothing there) is the caller's to read."""
+    @functools.wraps(method)
+    def asking(self: FsspecStorage, path: str, *args: Any) -> Any:
+        try:
+            return method(self, path, *args)
+        except (FileNotFoundError, CheckpointError):
+            raise
+        except Exception as err:  # botocore's and the backends' errors share no base but Exception
+            raise self.failure(path, err) from None
+    return asking  # type: ignore[return-value]
 
 
 class FsspecStorage(Storage):
@@ -178,13 +195,37 @@ class FsspecStorage(Storage):
 
     atomic_rename = False
 
-    def __init__(self, protocol: str, fs: Any) -> None:
+    def __init__(self, protocol: str, fs: Any, options: dict[str, Any]) -> None:
         self.protocol = protocol
         self.fs = fs
+        self.options = options  # how fs was opened; DCP's reader and writer open theirs alike (dcp_io.py)
+
+    def failure(self, path: str, err: BaseException) -> CheckpointError:
+        """One line for a store that failed at ``path``: which store, what it said, what to do."""
+        return CheckpointError(
+            f"the store at {self.display(path)} failed ({type(err).__name__}: {first_line(err)}): check that it "
+            "answers (its endpoint, the network) and the credentials, then run the same command again; the "
+            "complete checkpoints there are kept")
+
+    def check(self, path: str) -> None:
+        """Refuse a bucket with an invalid name, or one that does not exist (it is never created: a typo would
+        send checkpoints to a new bucket), or a store that cannot be reached with these credentials."""
+        if self.protocol not in _BUCKETED:
+            return
+        bucket = path.split("/", 1)[0]
+        url = self.display(path)
+        if self.protocol in ("s3", "s3a") and not _S3_BUCKET.match(bucket):
+            raise CheckpointError(f"checkpoint folder {url}: {bucket!r} is not a valid bucket name (3-63 lowercase "
+                                  "letters, digits, dots and hyphens): name an existing bucket")
+        if self.kind(bucket) is None:
+            raise CheckpointError(f"checkpoint folder {url}: bucket {bucket!r} does not exist (it is not created: "
+                                  "a misspelt name would send checkpoints elsewhere): create it, or name an "
+                                  "existing one")
 
     def _fresh(self, path: str) -> None:
         self.fs.invalidate_cache(path)
 
+    @_answered
     def kind(self, path: str) -> str | None:
         self._fresh(path)
         try:
@@ -193,6 +234,7 @@ class FsspecStorage(Storage):
             return None
         return {"directory": "dir", "file": "file"}.get(info.get("type"), "other")
 
+    @_answered
     def names(self, folder: str) -> list[str]:
         self._fresh(folder)
         try:
@@ -201,25 +243,35 @@ class FsspecStorage(Storage):
             return []
         return sorted({entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries} - {""})
 
+    @_answered
     def files(self, folder: str) -> list[str]:
         self._fresh(folder)
         root = folder.rstrip("/") + "/"
         return sorted(path[len(root):] for path in self.fs.find(folder) if path.startswith(root))
 
+    @_answered
     def size(self, path: str) -> int:
         return int(self.fs.size(path))
 
+    @_answered
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    @_answered
     def write(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)
 
     def chunks(self, path: str) -> Iterator[Any]:
-        with self.fs.open(path, "rb", block_size=_READ_CHUNK) as file:
-            while chunk := file.read(_READ_CHUNK):
-                yield chunk
+        try:
+            with self.fs.open(path, "rb", block_size=_READ_CHUNK) as file:
+                while chunk := file.read(_READ_CHUNK):
+                    yield chunk
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # as _answered, for a generator
+            raise self.failure(path, err) from None
 
+    @_answered
     def remove(self, path: str) -> None:
         self._fresh(path)
         try:
@@ -227,6 +279,7 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             pass
 
+    @_answered
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 
@@ -238,16 +291,6 @@ class FsspecStorage(Storage):
 
     def display(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
-
-    def writer(self, folder: str) -> Any:
-        from torchtitan_rng.checkpoint.fsspec_io import ChecksummedFsspecWriter
-
-        return ChecksummedFsspecWriter(self.display(folder))
-
-    def reader(self, folder: str, metadata: Any = None) -> Any:
-        from torchtitan_rng.checkpoint.fsspec_io import SafeFsspecReader
-
-        return SafeFsspecReader(self.display(folder), metadata)
 
 
 @dataclass(frozen=True, eq=False)
@@ -281,7 +324,8 @@ class Location:
 
     @property
     def native(self) -> Path | Location:
-        """What callers outside checkpoint/ get: the local ``Path``, or this location on an object store."""
+        """What callers outside checkpoint/ get: the local ``Path`` (they use it as one), or this location on an
+        object store."""
         return self.local or self
 
     def kind(self) -> str | None:
@@ -323,17 +367,18 @@ class Location:
     def makedirs(self) -> None:
         self.storage.makedirs(self.path)
 
-    def writer(self) -> Any:
-        return self.storage.writer(self.path)
-
-    def reader(self, metadata: Any = None) -> Any:
-        return self.storage.reader(self.path, metadata)
+    def check(self) -> None:
+        self.storage.check(self.path)
 
 
 _LOCAL = LocalStorage()
 
 
-def is_url(where: str | Path) -> bool:
+# What names a place: a local path, a URL, or a location.
+Where = str | os.PathLike | Location
+
+
+def is_url(where: Where) -> bool:
     return isinstance(where, str) and _URL.match(where) is not None
 
 
@@ -346,7 +391,7 @@ def _refuse_one_slash(where: str) -> None:
                               f"write {url}")
 
 
-def locate(where: str | Path | Location) -> Location:
+def locate(where: Where) -> Location:
     """The location a path (local) or a URL (``file://`` is local; any other scheme through fsspec) names."""
     if isinstance(where, Location):
         return where
@@ -360,7 +405,8 @@ def locate(where: str | Path | Location) -> Location:
         return Location(_LOCAL, url[len("file://"):])
     try:
         from fsspec.core import url_to_fs  # a dependency of torch; its backends are not
-        fs, path = url_to_fs(url)
+        options = _options(protocol)
+        fs, path = url_to_fs(url, **options)
     except ImportError as err:
         extra = _EXTRAS.get(protocol)
         how = f"pip install 'torchtitan_rng[{extra}]'" if extra else f"install fsspec's backend for {protocol}://"
@@ -368,10 +414,32 @@ def locate(where: str | Path | Location) -> Location:
     except ValueError as err:  # an unknown protocol
         raise CheckpointError(f"{url}: fsspec cannot open {protocol}:// ({err}); use a path, or a URL of an "
                               "installed fsspec backend (s3://, gs://, memory://...)") from None
-    return Location(FsspecStorage(protocol, fs), path.rstrip("/"))
+    return Location(FsspecStorage(protocol, fs, options), path.rstrip("/"))
+
+
+def _options(protocol: str) -> dict[str, Any]:
+    """How a store is opened: for S3, :data:`S3_ANSWER` under what fsspec's configuration ($FSSPEC_S3) sets."""
+    if protocol not in ("s3", "s3a"):
+        return {}
+    from fsspec.config import conf
+
+    options = copy.deepcopy(S3_ANSWER)
+    given = conf.get("s3", {})
+    options["config_kwargs"].update(given.get("config_kwargs", {}))
+    options.update({key: value for key, value in given.items() if key != "config_kwargs"})
+    return options
+
+
+def folder_location(where: Where) -> Location:
+    """The folder a user names (a checkpoint folder): a local symlink there is followed, to where the
+    checkpoints are (``DUMP/checkpoint -> /bigger/disk/run1``); nothing below it ever is."""
+    folder = locate(where)
+    if folder.local is not None and folder.local.is_symlink():
+        return locate(Path(os.path.realpath(folder.local)))
+    return folder
 
 
 def checkpoint_folder(dump_folder: str | Path, folder: str) -> Location:
     """Where a run's checkpoints go: ``folder`` under the dump folder, or ``folder`` itself when it is a URL."""
     _refuse_one_slash(folder)
-    return locate(folder) if is_url(folder) else locate(Path(dump_folder) / folder)
+    return folder_location(folder if is_url(folder) else Path(dump_folder) / folder)

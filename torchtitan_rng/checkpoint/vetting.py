@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, inspect_checkpoint
-from torchtitan_rng.checkpoint.storage import Location, locate
+from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.layout import completion
+from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.storage import Where, locate
 from torchtitan_rng.distributed import on_rank_zero
 from torchtitan_rng.errors import CheckpointError
 
@@ -45,7 +46,7 @@ class Vetted:
     warnings: list[str] = field(default_factory=list)
 
 
-def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
+def vet(path: Where, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
         opt_in: run_record.OptIn = run_record.OptIn(), device: torch.device = torch.device("cpu"),
         signing: integrity.SigningKey | None = None, layout_keys: Sequence[str] = ()) -> Vetted:
     """Vet ``path`` in the order above. ``record``: this run's run record (None: not compared);
@@ -60,9 +61,11 @@ def vet(path: Location | Path, *, layout: LayoutRule, record: dict[str, Any] | N
     verified = os.environ.get(integrity.VERIFIED_ENV) == str(path)
     if not (verified and (path / integrity.CHECKSUMS_NAME).is_file()):
         def verify() -> None:
-            if not integrity.verify_integrity(path):
-                warnings.append(f"WARNING: checkpoint {path} has no checksums (saved by an older version): damage "
-                                "to its files cannot be detected")
+            if integrity.verify_integrity(path):
+                return
+            why = completion(path).without_checksums
+            warnings.append(f"WARNING: checkpoint {path} is unsigned and unchecked: it has no "
+                            f"{integrity.CHECKSUMS_NAME} ({why}), so damage to its files cannot be detected")
         on_rank_zero(verify, CheckpointError(f"checkpoint {path} is damaged (rank 0 names the file)"), device,
                      (CheckpointError,))
     if record is not None:

@@ -29,10 +29,13 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     signals.signal_numbers(config.signals.checkpoint_on)
     check_dump_folder(Path(config.job.dump_folder))
     resume.signing_of(config.checkpoint)  # a key named but not set: refused before any save or load
+    if config.checkpoint.enable:
+        resume.folder_of(config).check()  # a bucket that does not exist, a store that does not answer
     if world_size is not None:
         plan_class(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
     if path is None:
+        resume.refuse_overwrite(config, 0)  # a resume's saves are checked once its step is loaded
         return None
     # Refusals fail here, before any rank starts; the warnings are rank 0's to print.
     resume.vet_for(config, path, resume.build_record(config, spec.build_dataset(config)), world_size)
@@ -64,12 +67,17 @@ def refuse_restart_over_history(config: JobConfig) -> None:
         if logged and not config.checkpoint.initial_load_path:
             _refuse_new_run_into_log(config, dump)
         return
-    steps = complete_steps(resume.folder_of(config))
-    held = ([log.name] if logged else []) + ([f"checkpoints {', '.join(map(str, steps))}"] if steps else [])
+    folder = resume.folder_of(config)
+    steps = complete_steps(folder)
+    # Checkpoints kept elsewhere (a URL, an absolute folder) are named where they are.
+    inside = folder.local is not None and folder.local.resolve().is_relative_to(dump.resolve())
+    holder = f"dump folder {dump}" if logged or inside else f"checkpoint folder {folder}"
+    where = f" in {folder}" if logged and not inside else ""
+    held = ([log.name] if logged else []) + ([f"checkpoints {', '.join(map(str, steps))}{where}"] if steps else [])
     if held:
         resume_it = "add --checkpoint.enable to resume it, or " if steps else "it holds no checkpoint to resume: "
         raise ConfigError(
-            f"dump folder {dump} already holds a run ({'; '.join(held)}) and checkpoint.enable is off, so this "
+            f"{holder} already holds a run ({'; '.join(held)}) and checkpoint.enable is off, so this "
             f"run would start again from step 1 over it: {resume_it}pass another --job.dump_folder (or move this "
             "one away) to start afresh"
         )

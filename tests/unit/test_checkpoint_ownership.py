@@ -1,0 +1,173 @@
+"""What the run did not write is never lost or written over, and the folder a user names is where the checkpoints
+are: a checkpoint folder that is a symlink, a user's file inside a step folder at pruning, a user's copy under
+another step's name, two dump folders on one checkpoint folder, a store checkpoint without checksums. On a local
+folder, fsspec's in-memory store and a real S3-compatible server on this machine (moto)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.object_store import s3, s3_server
+from torchtitan_rng import resume
+from torchtitan_rng.checkpoint import integrity, layout
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import ModelState
+from torchtitan_rng.checkpoint.storage import checkpoint_folder, locate
+from torchtitan_rng.checkpoint.vetting import vet
+from torchtitan_rng.config import parse_args
+from torchtitan_rng.errors import CheckpointError, ConfigError
+from torchtitan_rng.launch import preflight
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "train_configs" / "llama_debug.toml")
+
+
+def _save(folder: object, steps: range, record: dict | None = None, **options: object) -> list[str]:
+    """Save a small model at each step of ``steps`` into ``folder``; returns the manager's log lines."""
+    said: list[str] = []
+    manager = CheckpointManager(folder, {"model": ModelState(torch.nn.Linear(4, 4))}, interval=1, log=said.append,
+                                **options)
+    manager.run_record = record or {"config": {}}
+    for step in steps:
+        manager.save(step, last_step=steps[-1])
+    manager.close()
+    return said
+
+
+def _config(dump: Path, *flags: str) -> object:
+    return parse_args(["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable", *flags])
+
+
+def test_a_checkpoint_folder_that_is_a_symlink_is_where_the_checkpoints_are(tmp_path: Path) -> None:
+    """DUMP/checkpoint -> /bigger/disk/run1: saves and the next start's reading go through the link; a link
+    inside it stays unfollowed. Control: the link's target itself is found alike."""
+    dump, disk = tmp_path / "run1", tmp_path / "bigger" / "run1"
+    dump.mkdir()
+    disk.mkdir(parents=True)
+    (dump / "checkpoint").symlink_to(disk)
+    folder = checkpoint_folder(dump, "checkpoint")
+    _save(folder, range(1, 3))
+    assert sorted(path.name for path in disk.iterdir()) == ["step-1", "step-2"]
+    other = tmp_path / "other"
+    _save(other, range(7, 8))
+    (disk / "step-9").symlink_to(other / "step-7")
+    again = checkpoint_folder(dump, "checkpoint")  # the next launch
+    assert layout.complete_steps(again) == [1, 2] == layout.complete_steps(disk)
+    assert layout.resolve_checkpoint(again) == disk / "step-2"
+    assert "step-9 is a symlink or special file" in layout.ignored_entries(again)[0]
+    _save(again, range(3, 4), keep_latest_k=1)  # the next save, and a prune, through the link
+    assert sorted(path.name for path in disk.iterdir()) == ["step-3", "step-9"] and (dump / "checkpoint").is_symlink()
+    assert (other / "step-7" / layout.METADATA_NAME).is_file()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_pruning_keeps_a_step_holding_a_file_the_run_did_not_write(tmp_path: Path, where: str) -> None:
+    folder = str(tmp_path / "checkpoint") if where == "local" else f"memory://prune-{uuid.uuid4().hex}/checkpoint"
+    _save(folder, range(1, 3))
+    note = locate(folder) / "step-1" / "notes" / "mine.txt"
+    note.write_bytes(b"a user's note")
+    said = _save(folder, range(3, 5), keep_latest_k=1)
+    assert layout.complete_steps(folder) == [1, 4]  # control: step-2 and step-3 were pruned
+    assert note.read_bytes() == b"a user's note" and integrity.verify_files(locate(folder) / "step-1",
+                                                                              [layout.METADATA_NAME])
+    kept = [line for line in said if "kept by keep_latest_k" in line]
+    assert len(kept) == 1 and "holds files a save does not write (notes/mine.txt)" in kept[0]
+
+
+def test_a_copy_under_another_steps_name_is_refused_at_start_locally(tmp_path: Path) -> None:
+    """step-5 copied to step-15: a run that would save step 15 is refused before it trains (locally the save
+    would fail at the rename, after training); control: a run that stops before 15 is not."""
+    import shutil
+
+    folder = tmp_path / "checkpoint"
+    _save(folder, range(5, 6))
+    shutil.copytree(folder / "step-5", folder / "step-15")
+    before = sorted(path.name for path in (folder / "step-15").iterdir())
+    with pytest.raises(CheckpointError, match=r"^this run saves step 15: cannot save into .*/step-15: it holds a "
+                                              r"checkpoint saved as step 5 \(a copy\); it is not this run's, so it "
+                                              r"is left as it is: move it away$"):
+        layout.refuse_overwrite(folder, [10, 15, 20])
+    layout.refuse_overwrite(folder, [10, 14])
+    with pytest.raises(CheckpointError, match="cannot save into .*/step-15: it holds a checkpoint saved as step 5"):
+        _save(folder, range(15, 16))
+    assert sorted(path.name for path in (folder / "step-15").iterdir()) == before
+
+
+def test_a_copy_under_another_steps_name_on_s3_is_never_written_over(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    with s3_server("own") as _:
+        url = "s3://own/run/checkpoint"
+        _save(url, range(5, 6))
+        fs = s3()
+        fs.copy("own/run/checkpoint/step-5", "own/run/checkpoint/step-15", recursive=True)
+        copied = {path: fs.cat_file(path) for path in fs.find("own/run/checkpoint/step-15")}
+        flags = ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.enable",
+                 "--checkpoint.folder", url, "--checkpoint.interval", "5", "--training.steps", "20"]
+        # Foreseen at start: a run resumed at step 5 whose saves include step 15 (checked once the step is
+        # loaded)...
+        with pytest.raises(CheckpointError, match=f"^this run saves step 15: cannot save into {url}/step-15"):
+            resume.refuse_overwrite(parse_args(flags), 5)
+        resume.refuse_overwrite(parse_args([*flags, "--training.steps", "14"]), 5)  # control: no save at 15
+        # ...and a fresh start (only the copy there), refused by the launcher's check in one line.
+        fs.rm("own/run/checkpoint/step-5", recursive=True)
+        code = preflight.main(flags)
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"error: this run saves step 15: cannot save into {url}/step-15: it holds a "
+                              "checkpoint saved as step 5 (a copy)")
+        with pytest.raises(CheckpointError, match="cannot save into .*step-15: it holds a checkpoint saved as step 5"):
+            _save(url, range(15, 16))
+        s3().invalidate_cache()
+        assert {path: fs.cat_file(path) for path in s3().find("own/run/checkpoint/step-15")} == copied
+
+
+def test_two_dump_folders_on_one_checkpoint_folder_are_refused_or_named(tmp_path: Path) -> None:
+    """run.json records which dump folder wrote a checkpoint: another dump folder on the same checkpoint folder
+    (here an absolute local folder) is refused, or warned about where allowed; the run that wrote it, and a
+    checkpoint folder inside the dump folder (moved with it), go on."""
+    shared = tmp_path / "shared_checkpoints"
+    first, second = tmp_path / "first", tmp_path / "second"
+    config = _config(first, "--checkpoint.folder", f"file://{shared}")
+    _save(shared, range(4, 5), record=resume.build_record(config, []))
+    checkpoint = shared / "step-4"
+    assert resume.refuse_another_runs(config, checkpoint) == []
+    with pytest.raises(CheckpointError, match=(
+            rf"^checkpoint {checkpoint} was written by the run of dump folder {first}, not this one \({second}\): "
+            rf"both keep checkpoints in {shared}; resume that run with --job.dump_folder {first}, give this run its "
+            r"own --checkpoint.folder, or pass --checkpoint.allow_config_change job.dump_folder to continue that "
+            r"run's checkpoints from this dump folder$")):
+        resume.refuse_another_runs(_config(second, "--checkpoint.folder", f"file://{shared}"), checkpoint)
+    allowed = resume.refuse_another_runs(_config(second, "--checkpoint.folder", f"file://{shared}",
+                                                 "--checkpoint.allow_config_change", "job.dump_folder"), checkpoint)
+    assert len(allowed) == 1 and allowed[0].startswith(f"WARNING: checkpoint {checkpoint} was written by the run "
+                                                       f"of dump folder {first}")
+    # A dump folder moved (its checkpoint folder inside it): the same run.
+    inside = _config(first)
+    _save(first / "checkpoint", range(2, 3), record=resume.build_record(inside, []))
+    (first).rename(tmp_path / "moved")
+    assert resume.refuse_another_runs(_config(tmp_path / "moved"), tmp_path / "moved" / "checkpoint" / "step-2") == []
+
+
+def test_a_run_without_checkpointing_names_where_the_checkpoints_are(tmp_path: Path) -> None:
+    """checkpoint.enable off over a checkpoint folder elsewhere (a URL) that holds checkpoints: the refusal
+    names that folder, not the dump folder that does not hold them."""
+    url = f"memory://shared-{uuid.uuid4().hex}/checkpoint"
+    _save(url, range(5, 6))
+    dump = tmp_path / "control"
+    config = parse_args(["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--checkpoint.folder", url])
+    with pytest.raises(ConfigError, match=rf"^checkpoint folder {locate(url)} already holds a run \(checkpoints 5\) "
+                                          r"and checkpoint.enable is off"):
+        preflight.refuse_restart_over_history(config)
+
+
+def test_a_store_checkpoint_without_checksums_is_named_unsigned_and_unchecked() -> None:
+    folder = f"memory://unsigned-{uuid.uuid4().hex}/checkpoint"
+    _save(folder, range(1, 2))
+    checkpoint = locate(folder) / "step-1"
+    (checkpoint / layout.CHECKSUMS_NAME).remove()
+    warnings = vet(checkpoint, layout=lambda info: False, record=None).warnings
+    assert warnings == [f"WARNING: checkpoint {checkpoint} is unsigned and unchecked: it has no checksums.json (its "
+                        "checksums.json was removed or never written), so damage to its files cannot be detected"]
