@@ -35,7 +35,7 @@ from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
 from torchtitan_rng.errors import CheckpointError, ConfigError
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import seed_training_streams, stream_seed
 
@@ -107,7 +107,7 @@ def vet_for(config: JobConfig, path: Path | Location, record: dict[str, Any], wo
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
-    rule = plan_class(config.parallelism)
+    rule = mode_of(config.parallelism)
     return vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, config.checkpoint.on_world_size_change),
                record=record, allowed=config.checkpoint.allow_config_change, device=device,
                signing=signing_of(config.checkpoint), layout_keys=rule.layout_keys())
@@ -138,7 +138,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     keep_loader = plan.loads_dataloader and not vetted.reseed
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
                                                      *([] if keep_loader else [layout.DATALOADER])])
-    skips.refuse_past_steps(config, run_record.read_record(path), path, train_state.step)
+    skips.refuse_past_steps(config.training, run_record.read_record(path), path, train_state.step)
     last_step = config.training.steps
     layout.refuse_overwrite(checkpointer.folder, [step for step in range(train_state.step + 1, last_step + 1)
                                                   if checkpointer.should_save(step, last_step)])

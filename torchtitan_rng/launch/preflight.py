@@ -18,7 +18,7 @@ from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.models import get_train_spec
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 
 
 def check(config: JobConfig, world_size: int | None = None) -> Path | None:
@@ -30,7 +30,7 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     check_dump_folder(Path(config.job.dump_folder))
     resume.signing_of(config.checkpoint)  # a key named but not set: refused before any save or load
     if world_size is not None:
-        plan_class(config.parallelism).check_config(config, world_size)
+        mode_of(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
     if path is None:
         return None
