@@ -27,7 +27,7 @@ derived per micro-batch and block, the slot-order exchange, fixed kernels). Any 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -111,14 +111,9 @@ class ParallelPlan:
 
     # --- building ----------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
-        """Wrap the built model in place (checkpointing, compile, sharding, stages), set :attr:`compute_context`,
-        and return the loss function to train with (compiled when asked)."""
+        """Wrap the built model in place (checkpointing, compile, sharding, stages), set the layout's compute
+        context, and return the loss function to train with (compiled when asked)."""
         return self.layout.wrap(model, spec, self.numerics)
-
-    @property
-    def compute_context(self) -> Callable[[], ContextManager]:
-        """Entered around each micro-batch's forward and loss (autocast, or a null context)."""
-        return self.layout.compute_context
 
     @property
     def micro_batches_per_rank(self) -> int:
