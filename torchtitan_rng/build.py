@@ -25,7 +25,6 @@ from torchtitan_rng.fault_injection import held_samples
 from torchtitan_rng.lr_scheduler import build_lr_scheduler
 from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.optimizer import build_optimizer
-from torchtitan_rng.parallel import plan_class
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import seed_model_init
 from torchtitan_rng.spike_guard import SpikeGuard
@@ -58,7 +57,7 @@ class Components:
 
 
 def build_components(config: JobConfig, world: World) -> Components:
-    plan = plan_class(config.parallelism)(config, world)
+    plan = ParallelPlan(config, world)
     plan.prepare_process()
     spec = get_train_spec(config)
     # Identical initial weights on every rank (a shared stream), then wrapped (and sharded) by the plan.

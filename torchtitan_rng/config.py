@@ -194,8 +194,9 @@ class Metrics:
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = _key(-1, "processes that shard the model (FSDP2): -1 or the process count, "
-                                           "both meaning all of them")
+    data_parallel_shard_degree: int = _key(-1, "processes that shard each stage of the model (FSDP2), as in "
+                                           "torchtitan: data_parallel_shard_degree x pipeline_parallel_degree = the "
+                                           "process count; -1: what the pipeline degree leaves (processes / pp)")
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
                                       "gradients summed in slot order, sharded by FSDP2 (docs/replay.md)")
@@ -678,14 +679,14 @@ def snapshot_every_n_steps(config: JobConfig) -> int:
     return config.data.snapshot_every_n_steps or config.checkpoint.interval
 
 
-def gradient_accumulation_steps(config: JobConfig, dp_world: int) -> int:
+def gradient_accumulation_steps(training: Training, dp_world: int) -> int:
     """Micro-batches per optimizer step: global_batch_size / (local_batch_size x dp), which must divide."""
-    local = config.training.local_batch_size * dp_world
-    global_batch = config.training.global_batch_size
+    local = training.local_batch_size * dp_world
+    global_batch = training.global_batch_size
     if global_batch == -1:
         return 1
     if global_batch % local:
-        per_rank = config.training.local_batch_size
+        per_rank = training.local_batch_size
         sizes = [size for size in range(1, global_batch // per_rank + 1) if global_batch % (per_rank * size) == 0]
         # A resume keeps its checkpoint's batch sizes (changing one is refused): the process count is what it may
         # change.

@@ -28,12 +28,7 @@ def init_distributed(parallelism: Parallelism) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    degree = parallelism.data_parallel_shard_degree
-    if degree not in (-1, world_size):
-        raise ConfigError(
-            f"config parallelism.data_parallel_shard_degree = {degree} does not match the {world_size} "
-            "processes started; use -1 (all of them) or NGPU to change the process count"
-        )
+    data_parallel_degree(parallelism, world_size)
     problem = device_lib.too_many_processes(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if problem is not None:
         raise ConfigError(problem)
@@ -55,6 +50,25 @@ def init_distributed(parallelism: Parallelism) -> World:
 
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
+
+
+def data_parallel_degree(parallelism: Parallelism, world_size: int) -> int:
+    """The processes that shard each stage of the model (FSDP2), with torchtitan's meaning of the degrees: their
+    product is the process count, ``data_parallel_shard_degree x pipeline_parallel_degree = world``, and a
+    shard degree of -1 fills what the pipeline degree leaves (``world / pipeline_parallel_degree``)."""
+    pp, degree = parallelism.pipeline_parallel_degree, parallelism.data_parallel_shard_degree
+    if pp < 1:
+        raise ConfigError(f"config parallelism.pipeline_parallel_degree = {pp}; give 1 (no stages) or more")
+    if degree == -1:
+        if world_size % pp:
+            raise ConfigError(f"config parallelism.pipeline_parallel_degree = {pp} does not divide the {world_size} "
+                              "processes started; start a multiple of it (pp x dp processes)")
+        return world_size // pp
+    if degree < 1 or degree * pp != world_size:
+        raise ConfigError(f"config parallelism.data_parallel_shard_degree = {degree} x pipeline_parallel_degree = "
+                          f"{pp} is {degree * pp} processes, but {world_size} were started; use -1 (the processes "
+                          f"the pipeline leaves) or start {max(degree, 1) * pp} (NGPU)")
+    return degree
 
 
 def _restart_store(timeout: timedelta) -> dist.Store | None:

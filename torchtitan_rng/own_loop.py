@@ -42,7 +42,7 @@ from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.errors import CheckpointError, TorchtitanRngError
-from torchtitan_rng.parallel.data_parallel import DataParallelPlan
+from torchtitan_rng.parallel.numerics import CarriedNumerics
 from torchtitan_rng import signals
 from torchtitan_rng.rng import seed_training_streams
 
@@ -349,7 +349,7 @@ class ExactResume:
         if path is None:
             return 0
         try:
-            vetted = vet(path, layout=lambda info: DataParallelPlan.check_checkpoint(info, self.world_size, None),
+            vetted = vet(path, layout=lambda info: CarriedNumerics.check_checkpoint(info, self.world_size, None),
                          record=self.record, allowed=allow_changes, opt_in=_OwnLoopOptIn(),
                          device=self.train_state.device, signing=self.signing)
         except run_record.ConfigDriftError as err:

@@ -45,7 +45,7 @@ from torchtitan_rng.config import JobConfig, from_values, to_flags
 from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
 from torchtitan_rng.launch.runs import launch_command
 from torchtitan_rng.loss_log import read_loss_log
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.replay_step import REPORT_NAME, total_norm
 from torchtitan_rng.samples import (FOLDER_HELP, as_launched, format_keys, no_checkpoint, run_checkpoints,
                                     token_offsets)
@@ -82,7 +82,7 @@ def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
     """The run's config as the replay trains it: the keys the run's mode computes the same bits under whatever
     their value (a world-size-invariant run's pipeline stages) back at their defaults, the replay's processes
     laying the step out their own way."""
-    layout = plan_class(from_values(values).parallelism).layout_keys()
+    layout = mode_of(from_values(values).parallelism).layout_keys()
     return {key: value for key, value in values.items() if key not in layout}
 
 
@@ -121,7 +121,7 @@ def _refuse_other_counts(info: CheckpointInfo, values: dict[str, Any], processes
     """``processes`` continue this run's checkpoints (the newest's ``info``) exactly, or the replay is refused
     (its plan says why)."""
     config = from_values(_replayed_values(values))
-    plan = plan_class(config.parallelism)
+    plan = mode_of(config.parallelism)
     try:
         plan.check_checkpoint(info, processes, None)
         plan.check_config(config, processes)

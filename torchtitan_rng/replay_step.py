@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rng.config import JobConfig, parse_args
+from torchtitan_rng.config import JobConfig, Training, parse_args
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.launch import orphans
 from torchtitan_rng.train_spec import Batch, LossFn
@@ -100,8 +100,8 @@ def observe(trainer: Any, step: int) -> StepReport:
     forward_backward, train_step = plan.forward_backward, trainer._step
 
     def observed_loss(loss_fn: LossFn) -> LossFn:
-        def loss_of(module: nn.Module, batch: Batch, config: JobConfig) -> torch.Tensor:
-            loss = loss_fn(module, batch, config)
+        def loss_of(module: nn.Module, batch: Batch, training: Training) -> torch.Tensor:
+            loss = loss_fn(module, batch, training)
             graph = _graph_params(model)
             grads = torch.autograd.grad(loss, [p for _, p in graph], retain_graph=True, allow_unused=True)
             seen.losses.append(float(loss.detach()))

@@ -35,7 +35,7 @@ from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
 from torchtitan_rng.errors import CheckpointError, ConfigError
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import seed_training_streams, stream_seed
 
@@ -142,7 +142,7 @@ def vet_for(config: JobConfig, path: Where, record: dict[str, Any], world_size: 
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
     ``world_size`` None: not known yet (the launcher of one node among several)."""
-    rule = plan_class(config.parallelism)
+    rule = mode_of(config.parallelism)
     on_change = config.checkpoint.on_world_size_change
     vetted = vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, on_change), record=record,
                  allowed=config.checkpoint.allow_config_change, device=device,
@@ -177,7 +177,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     keep_loader = plan.loads_dataloader and not vetted.reseed
     result = checkpointer.load(vetted.info, exclude=[*ckpt.exclude_from_loading,
                                                      *([] if keep_loader else [layout.DATALOADER])])
-    skips.refuse_past_steps(config, run_record.read_record(path), path, train_state.step)
+    skips.refuse_past_steps(config.training, run_record.read_record(path), path, train_state.step)
     refuse_overwrite(config, train_state.step)
     for line in vetted.warnings:  # once the resume goes on: a note that it does must not precede a refusal
         log(line)

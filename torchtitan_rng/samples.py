@@ -34,7 +34,7 @@ from torchtitan_rng.checkpoint.storage import Location, checkpoint_folder, is_ur
 from torchtitan_rng.config import JobConfig, from_values
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.models import get_train_spec
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 
 # What sets the order of a map-style run's samples: every checkpoint of the run must agree on these.
 _ORDER_KEYS = ("debug.seed", "training.local_batch_size", "training.global_batch_size", "data.num_samples",
@@ -113,11 +113,12 @@ def step_samples(run: Path, step: int, folder: str = "") -> tuple[list[list[int]
                             "--metrics.log_samples wrote into the loss log)")
     orders = [(checkpoint, *_order_of(checkpoint)) for checkpoint in checkpoints]
     newest, values, data, world_size = orders[-1]
+    mode = mode_of(from_values(values).parallelism)
     for checkpoint, other, other_data, other_world in orders[:-1]:
         differing = [key for key in _ORDER_KEYS if other.get(key) != values.get(key)]
         if other_data != data:
             differing.append("the data")
-        if other_world != world_size and not values.get("parallelism.world_size_invariant"):
+        if other_world != world_size and not mode.any_process_count:
             differing.append(f"the process count ({other_world}, then {world_size})")
         if differing:
             raise ConfigError(f"checkpoints {checkpoint} and {newest} differ in {', '.join(differing)}: the order of "
@@ -136,7 +137,7 @@ def step_samples(run: Path, step: int, folder: str = "") -> tuple[list[list[int]
     if not isinstance(num_samples, int) or world_size is None:
         raise ConfigError(f"checkpoint {newest} does not record its samples per epoch and process count")
     config = from_values(as_launched(run, values))
-    keys = plan_class(config.parallelism).step_sample_keys(config, num_samples, world_size, step)
+    keys = mode_of(config.parallelism).step_sample_keys(config, num_samples, world_size, step)
     return keys, num_samples, world_size, config
 
 

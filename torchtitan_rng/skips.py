@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rng.config import JobConfig, StepSet, Training, format_skip_steps, parse_skip_steps
+from torchtitan_rng.config import StepSet, Training, format_skip_steps, parse_skip_steps
 from torchtitan_rng.errors import ConfigError
 
 KEY = "training.skip_steps"
@@ -38,11 +38,11 @@ def canonical(value: str) -> str:
     return format_skip_steps(parse_skip_steps(value))
 
 
-def refuse_past_steps(config: JobConfig, saved_record: dict[str, Any] | None, checkpoint: Path, step: int) -> None:
+def refuse_past_steps(training: Training, saved_record: dict[str, Any] | None, checkpoint: Path, step: int) -> None:
     """A skip added at a resume for a step the checkpoint has already trained cannot be applied: refused, with
     the way to apply it (an earlier checkpoint)."""
     saved = parse_skip_steps(str(((saved_record or {}).get("config") or {}).get(KEY, "")))
-    past = skipped_steps(config.training).minus(saved).up_to(step)  # range by range: "1-100000000" stays one range
+    past = skipped_steps(training).minus(saved).up_to(step)  # range by range: "1-100000000" stays one range
     if past:
         raise ConfigError(f"{KEY} adds step(s) {format_skip_steps(past)}, which checkpoint {checkpoint} (step "
                           f"{step}) has already trained; leave them out, or start a new dump folder from a checkpoint "

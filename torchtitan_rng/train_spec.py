@@ -16,10 +16,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
-from torchtitan_rng.config import JobConfig
+from torchtitan_rng.config import JobConfig, Training
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[nn.Module, Batch, JobConfig], torch.Tensor]
+# (model, batch, the [training] section): the loss of one micro-batch.
+LossFn = Callable[[nn.Module, Batch, Training], torch.Tensor]
 
 
 @dataclass(frozen=True)

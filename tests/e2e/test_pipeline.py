@@ -8,7 +8,8 @@ One set of runs, side by side, checked several ways:
 * GPipe with async checkpoints: stopped by SIGTERM to rank 1 (the last stage) and resubmitted; on two stages
   GPipe runs each stage's forwards and backwards in the order 1F1B does, so its reference is 1F1B's run;
 * Interleaved1F1B (four stages on two ranks): ``verify_resume`` (stop at 2, resume to 4, stream fingerprints);
-* pp 2 x dp 2 on four processes: uninterrupted, and resumed from its step 2, fingerprints compared;
+* pp 2 x dp 2 on four processes (``data_parallel_shard_degree 2``: dp_shard x pp = the process count, as in
+  torchtitan): uninterrupted, and resumed from its step 2, fingerprints compared;
 * the zero-bubble schedules (four stages on two ranks, weight gradients apart): each uninterrupted, and resumed
   from its step 2;
 * 1F1B killed (SIGKILL to the last stage) while it writes its last checkpoint, then run again: it resumes from
@@ -44,7 +45,7 @@ LAYOUTS = {
               "--checkpoint.keep_latest_k", "0"),
     "Interleaved1F1B": (*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--model.flavor",
                         "debug4"),
-    "ppdp": (*PP2, "--debug.rng_fingerprint"),
+    "ppdp": (*PP2, "--parallelism.data_parallel_shard_degree", "2", "--debug.rng_fingerprint"),
     "ZBVZeroBubble": (*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--model.flavor", "debug4"),
     "InterleavedZeroBubble": (*PP2, "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble",
                               "--model.flavor", "debug4"),

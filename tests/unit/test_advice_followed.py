@@ -15,12 +15,12 @@ def test_a_count_that_does_not_divide_names_the_counts_that_do() -> None:
     does not name is refused."""
     config = parse_args(["--training.global_batch_size", "16", "--training.local_batch_size", "4"])
     with pytest.raises(ConfigError) as refused:
-        gradient_accumulation_steps(config, 3)
+        gradient_accumulation_steps(config.training, 3)
     message = str(refused.value)
     named = re.search(r"run on a data-parallel size that divides it \(([\d, ]+)\)", message)
     assert named is not None and "a resume keeps the batch sizes" in message and "\n" not in message, message
     sizes = [int(size) for size in named.group(1).split(", ")]
     assert sizes == [1, 2, 4]
-    assert [gradient_accumulation_steps(config, size) for size in sizes] == [4, 2, 1]
+    assert [gradient_accumulation_steps(config.training, size) for size in sizes] == [4, 2, 1]
     with pytest.raises(ConfigError):
-        gradient_accumulation_steps(config, 8)
+        gradient_accumulation_steps(config.training, 8)

@@ -96,7 +96,7 @@ def test_loss_draws_from_the_global_generator() -> None:
     def loss_after_seed(seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
         before = torch.get_rng_state()
-        loss = flux_loss(model, batch, config)
+        loss = flux_loss(model, batch, config.training)
         assert not torch.equal(before, torch.get_rng_state())
         return loss
 
@@ -174,7 +174,7 @@ def test_twenty_steps_of_adamw_lower_the_loss() -> None:
     losses = []
     start = time.perf_counter()
     for step in range(20):
-        loss = flux_loss(model, _batch(dataset, step * 8), config)
+        loss = flux_loss(model, _batch(dataset, step * 8), config.training)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.transformer.parameters(), 1.0)

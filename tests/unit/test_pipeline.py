@@ -17,9 +17,11 @@ from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
-from torchtitan_rng.parallel import plan_class
-from torchtitan_rng.parallel.data_parallel import DataParallelPlan
-from torchtitan_rng.parallel.pipeline import PipelinePlan, stage_layers, stages_of_rank
+from torchtitan_rng.distributed import data_parallel_degree
+from torchtitan_rng.parallel import Mode, mode_of
+from torchtitan_rng.parallel.layout import FlatLayout
+from torchtitan_rng.parallel.numerics import CarriedNumerics
+from torchtitan_rng.parallel.pipeline import StagedLayout, stage_layers, stages_of_rank
 
 CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
 
@@ -33,9 +35,12 @@ def _pp(degree: int, schedule: str, *overrides: str) -> JobConfig:
                    "--parallelism.pipeline_parallel_schedule", schedule, *overrides)
 
 
-def test_plan_class_is_the_pipeline_plan_from_degree_2() -> None:
-    assert plan_class(_config().parallelism) is DataParallelPlan
-    assert plan_class(_pp(2, "1F1B").parallelism) is PipelinePlan
+DATA_PARALLEL, PIPELINE = Mode(FlatLayout, CarriedNumerics), Mode(StagedLayout, CarriedNumerics)
+
+
+def test_the_plan_is_staged_from_degree_2() -> None:
+    assert mode_of(_config().parallelism) == DATA_PARALLEL
+    assert mode_of(_pp(2, "1F1B").parallelism) == PIPELINE
 
 
 @pytest.mark.parametrize(("schedule", "layers", "split", "expected"), [
@@ -70,8 +75,36 @@ def test_stages_over_ranks_looped_and_v() -> None:
 ])
 def test_what_cannot_run_is_refused_in_one_line(config: JobConfig, world_size: int, fragment: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        PipelinePlan.check_config(config, world_size)
+        PIPELINE.check_config(config, world_size)
     assert "\n" not in str(refused.value) and fragment in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(("shard", "pp", "world_size", "dp"), [(2, 2, 4, 2), (-1, 2, 4, 2), (-1, 1, 4, 4), (4, 1, 4, 4),
+                                                              (1, 4, 4, 1)])
+def test_shard_degree_times_pipeline_degree_is_the_process_count(shard: int, pp: int, world_size: int,
+                                                                  dp: int) -> None:
+    """torchtitan's meaning: data_parallel_shard_degree x pipeline_parallel_degree = processes, -1 fills; the
+    launcher's check (the plan's) accepts what the rule accepts."""
+    config = _pp(pp, "1F1B", "--parallelism.data_parallel_shard_degree", str(shard))
+    assert data_parallel_degree(config.parallelism, world_size) == dp
+    mode_of(config.parallelism).check_config(config, world_size)
+
+
+@pytest.mark.parametrize(("shard", "pp", "world_size", "fragment"), [
+    (4, 2, 4, "data_parallel_shard_degree = 4 x pipeline_parallel_degree = 2 is 8 processes, but 4 were started"),
+    (2, 1, 4, "data_parallel_shard_degree = 2 x pipeline_parallel_degree = 1 is 2 processes, but 4 were started"),
+    (-1, 2, 3, "pipeline_parallel_degree = 2 does not divide the 3 processes started"),
+    (0, 2, 4, "data_parallel_shard_degree = 0"),
+])
+def test_a_shard_degree_that_does_not_fill_the_processes_is_refused_in_one_line(shard: int, pp: int, world_size: int,
+                                                                                fragment: str) -> None:
+    """Control of the rule above: the old reading (-1 or the process count) would take 4 with pp 2 on 4."""
+    config = _pp(pp, "1F1B", "--parallelism.data_parallel_shard_degree", str(shard))
+    for check in (lambda: data_parallel_degree(config.parallelism, world_size),
+                  lambda: mode_of(config.parallelism).check_config(config, world_size)):
+        with pytest.raises(ConfigError) as refused:
+            check()
+        assert "\n" not in str(refused.value) and fragment in str(refused.value), str(refused.value)
 
 
 def test_too_few_layers_for_the_stages_is_refused() -> None:
@@ -110,16 +143,16 @@ def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> No
     reseeded data split counts processes, not data-parallel ranks)."""
     dcp.save({TRAIN_STATE: {rank_key(rank): torch.tensor(rank) for rank in range(4)}}, checkpoint_id=str(tmp_path))
     info = inspect_checkpoint(tmp_path)
-    assert DataParallelPlan.check_checkpoint(info, 2, "reseed") is True
+    assert DATA_PARALLEL.check_checkpoint(info, 2, "reseed") is True
     with pytest.raises(CheckpointError) as refused:
-        PipelinePlan.check_checkpoint(info, 2, "reseed")
+        PIPELINE.check_checkpoint(info, 2, "reseed")
     assert "saved by 4 processes and this run has 2" in str(refused.value)
     assert "reseed" not in str(refused.value)
-    assert PipelinePlan.check_checkpoint(info, 4, "reseed") is False
+    assert PIPELINE.check_checkpoint(info, 4, "reseed") is False
 
 
 def test_sample_keys_are_those_of_each_ranks_data_parallel_column() -> None:
     """pp 2 x dp 2: ranks 0 and 2 (dp rank 0) load what dp rank 0 of two processes would, ranks 1 and 3 dp 1's."""
     config = _pp(2, "1F1B")
-    column = DataParallelPlan.step_sample_keys(config, 64, 2, 3)
-    assert PipelinePlan.step_sample_keys(config, 64, 4, 3) == [column[0], column[1], column[0], column[1]]
+    column = DATA_PARALLEL.step_sample_keys(config, 64, 2, 3)
+    assert PIPELINE.step_sample_keys(config, 64, 4, 3) == [column[0], column[1], column[0], column[1]]

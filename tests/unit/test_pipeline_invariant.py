@@ -16,11 +16,12 @@ from tests.support.launch import REPO
 from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
-from torchtitan_rng.parallel import plan_class
-from torchtitan_rng.parallel.invariant.pipeline import InvariantPipelinePlan
-from torchtitan_rng.parallel.invariant.plan import InvariantPlan
+from torchtitan_rng.parallel import Mode, mode_of
+from torchtitan_rng.parallel.invariant.numerics import DerivedNumerics
 from torchtitan_rng.parallel.invariant.streams import MicroBatchStreams
-from torchtitan_rng.parallel.pipeline import PipelinePlan
+from torchtitan_rng.parallel.layout import FlatLayout
+from torchtitan_rng.parallel.numerics import CarriedNumerics
+from torchtitan_rng.parallel.pipeline import StagedLayout
 
 CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
 # Four micro-batches of 2 per step.
@@ -38,14 +39,18 @@ def _pp2(schedule: str = "1F1B", *overrides: str) -> JobConfig:
                    "--parallelism.pipeline_parallel_schedule", schedule, *overrides)
 
 
-def test_plan_class_with_stages_in_the_invariant_mode() -> None:
-    assert plan_class(_pp2().parallelism) is InvariantPipelinePlan
-    assert plan_class(_config(*INVARIANT).parallelism) is InvariantPlan
+INVARIANT_PIPELINE, INVARIANT_FLAT = Mode(StagedLayout, DerivedNumerics), Mode(FlatLayout, DerivedNumerics)
+PIPELINE = Mode(StagedLayout, CarriedNumerics)
+
+
+def test_the_plan_with_stages_in_the_invariant_mode() -> None:
+    assert mode_of(_pp2().parallelism) == INVARIANT_PIPELINE
+    assert mode_of(_config(*INVARIANT).parallelism) == INVARIANT_FLAT
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
 def test_schedules_that_backpropagate_whole_micro_batches_are_accepted(schedule: str) -> None:
-    InvariantPipelinePlan.check_config(_pp2(schedule, "--model.flavor", "debug4"), 4)
+    INVARIANT_PIPELINE.check_config(_pp2(schedule, "--model.flavor", "debug4"), 4)
 
 
 @pytest.mark.parametrize(("config", "world_size", "fragment"), [
@@ -60,7 +65,7 @@ def test_schedules_that_backpropagate_whole_micro_batches_are_accepted(schedule:
 ])
 def test_what_cannot_be_invariant_is_refused_in_one_line(config: JobConfig, world_size: int, fragment: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        InvariantPipelinePlan.check_config(config, world_size)
+        INVARIANT_PIPELINE.check_config(config, world_size)
     assert "\n" not in str(refused.value) and fragment in str(refused.value), str(refused.value)
 
 
@@ -74,10 +79,10 @@ def test_a_layout_change_at_resume_is_quiet_in_the_invariant_mode_only() -> None
     control: the same change is two refused keys for the ordinary pipeline plan."""
     saved = resume.build_record(_pp2(), _Samples())
     one_process = resume.build_record(_config(*INVARIANT), _Samples())
-    assert run_record.differences(saved, one_process, plan_class(_config(*INVARIANT).parallelism).layout_keys()) == []
+    assert run_record.differences(saved, one_process, mode_of(_config(*INVARIANT).parallelism).layout_keys()) == []
     assert run_record.check_resume(Path("ckpt/step-2"), saved, one_process, [],
-                                   layout_keys=InvariantPlan.layout_keys()) == []
-    changed = [change.key for change in run_record.differences(saved, one_process, PipelinePlan.layout_keys())]
+                                   layout_keys=INVARIANT_FLAT.layout_keys()) == []
+    changed = [change.key for change in run_record.differences(saved, one_process, PIPELINE.layout_keys())]
     assert changed == ["parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
 
 
@@ -85,8 +90,8 @@ def test_sample_keys_of_each_dp_column_are_its_invariant_slots() -> None:
     """pp 2 x dp 2: ranks 0 and 2 (column 0) load slots 0 and 2, ranks 1 and 3 slots 1 and 3, as the two ranks
     of the invariant mode without stages do."""
     config = _pp2()
-    two = InvariantPlan.step_sample_keys(config, 64, 2, 3)  # rank 0's two slots, then rank 1's
-    assert InvariantPipelinePlan.step_sample_keys(config, 64, 4, 3) == [*two[:2], *two[2:], *two[:2], *two[2:]]
+    two = INVARIANT_FLAT.step_sample_keys(config, 64, 2, 3)  # rank 0's two slots, then rank 1's
+    assert INVARIANT_PIPELINE.step_sample_keys(config, 64, 4, 3) == [*two[:2], *two[2:], *two[:2], *two[2:]]
 
 
 def _bits(tensor: torch.Tensor) -> list[int]:

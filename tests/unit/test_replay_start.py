@@ -193,7 +193,7 @@ def test_samples_of_an_invariant_run_resumed_at_another_count(tmp_path: Path,
     dump = _run(tmp_path, "run", *flags, ranks=2)
     config = parse_args(["--job.config_file", str(REPO / CONFIG), "--job.dump_folder", "run", *flags])
     _save(dump / "checkpoint", config, 4, ranks=1)
-    plan = samples.plan_class(config.parallelism)
+    plan = samples.mode_of(config.parallelism)
     for step, count in [(1, 2), (2, 2), (3, 1), (4, 1), (5, 1)]:
         keys, num_samples, world_size, _ = samples.step_samples(dump, step)
         assert (world_size, keys) == (count, plan.step_sample_keys(config, num_samples, count, step)), step

@@ -60,9 +60,9 @@ def test_a_skip_added_at_a_resume_is_named_not_refused(tmp_path: Path) -> None:
 def test_a_skip_added_for_a_trained_step_is_refused(tmp_path: Path) -> None:
     config = parse_args(["--job.config_file", CONFIG, "--training.skip_steps", "2,6"])
     with pytest.raises(ConfigError, match=r"adds step\(s\) 2, which checkpoint .* \(step 3\) has already trained"):
-        skips.refuse_past_steps(config, _record(), tmp_path, 3)
-    skips.refuse_past_steps(config, _record("--training.skip_steps", "2"), tmp_path, 3)  # skipped then already
-    skips.refuse_past_steps(config, _record(), tmp_path, 1)  # both still ahead
+        skips.refuse_past_steps(config.training, _record(), tmp_path, 3)
+    skips.refuse_past_steps(config.training, _record("--training.skip_steps", "2"), tmp_path, 3)  # skipped then already
+    skips.refuse_past_steps(config.training, _record(), tmp_path, 1)  # both still ahead
 
 
 @pytest.mark.parametrize("invariant", [False, True])
@@ -71,7 +71,7 @@ def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> 
     micro-batch over 10 samples per epoch (batches span epochs), is what each rank's own sampler hands out."""
     from torchtitan_rng.data.global_sampler import GlobalBatchSampler
     from torchtitan_rng.data.sampler import ResumableBatchSampler
-    from torchtitan_rng.parallel import plan_class
+    from torchtitan_rng.parallel import mode_of
 
     flags = ["--training.local_batch_size", "3", "--training.global_batch_size", "12", "--debug.seed", "7"]
     config = parse_args([*flags, *(["--parallelism.world_size_invariant"] if invariant else [])])
@@ -79,10 +79,10 @@ def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> 
                 for rank in range(2)]
     for step in range(1, 9):
         loaded = [next(sampler) for sampler in samplers for _ in range(2)]
-        assert plan_class(config.parallelism).step_sample_keys(config, 10, 2, step) == loaded, step
+        assert mode_of(config.parallelism).step_sample_keys(config, 10, 2, step) == loaded, step
     # Control: another seed orders them otherwise.
     other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])
-    assert plan_class(other.parallelism).step_sample_keys(other, 10, 2, 8) != loaded
+    assert mode_of(other.parallelism).step_sample_keys(other, 10, 2, 8) != loaded
 
 
 def test_a_huge_range_stays_a_range() -> None:
@@ -95,8 +95,8 @@ def test_a_huge_range_stays_a_range() -> None:
     config = parse_args(["--job.config_file", CONFIG, "--training.skip_steps", "1-100000000"])
     assert 77 in skips.skipped_steps(config.training)
     with pytest.raises(ConfigError, match=r"adds step\(s\) 1-2,4-5, which checkpoint .* \(step 5\) has already"):
-        skips.refuse_past_steps(config, _record("--training.skip_steps", "3"), Path("ckpt"), 5)
-    skips.refuse_past_steps(config, _record("--training.skip_steps", "1-100000000"), Path("ckpt"), 5)
+        skips.refuse_past_steps(config.training, _record("--training.skip_steps", "3"), Path("ckpt"), 5)
+    skips.refuse_past_steps(config.training, _record("--training.skip_steps", "1-100000000"), Path("ckpt"), 5)
 
 
 def test_a_huge_spike_guard_window_is_refused_in_one_line() -> None:

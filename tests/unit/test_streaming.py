@@ -12,7 +12,7 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.checkpoint.layout import CheckpointError
 from torchtitan_rng.distributed import World
-from torchtitan_rng.parallel.data_parallel import DataParallelPlan
+from torchtitan_rng.parallel import ParallelPlan
 from torchtitan_rng.data.dataloader import ResumableDataLoader, dp_rank_key, shutdown_workers
 from torchtitan_rng.data.streaming import StreamingDataLoader
 from torchtitan_rng.models.llama.dataset import build_text_dataset
@@ -131,5 +131,5 @@ def test_stream_and_map_style_checkpoints_do_not_mix(token_files: dict[str, Path
         map_loader.load_state_dict(make_loader(token_files["bin"], 0).state_dict())
     # Resuming on another process count with checkpoint.on_world_size_change = reseed: a stream cannot be re-split.
     with pytest.raises(CheckpointError, match="cannot be re-split over another process count: resume with 2"):
-        plan = DataParallelPlan(parse_args([]), World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+        plan = ParallelPlan(parse_args([]), World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
         plan.position_data(make_loader(token_files["bin"], 0).batch_sampler, 4, 2, reseeded=True)

@@ -11,13 +11,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import Dataset
 
 from tests.support.checks import float_bits
 
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel.invariant.reduction import SlotOrderExchange, grad_norm
-from torchtitan_rng.parallel.invariant.setup import plan_layout
+from torchtitan_rng.parallel.invariant.setup import plan_slots
+from torchtitan_rng.parallel.invariant.step import Slots
 from torchtitan_rng.models.llama.spec import build_text_dataset
 
 
@@ -100,12 +102,17 @@ def test_slot_order_sum_and_norm_same_bits_on_3_processes_as_on_one_plain_all_re
     assert float_bits(results[0]["plain_norm"].item()) != float_bits(plain_norm.item())
 
 
+def _plan_slots(args: list[str], rank: int, world: int, dataset: Dataset) -> Slots:
+    config = parse_args(args)
+    return plan_slots(config.training, config.data, rank, world, dataset)
+
+
 def test_constraints_are_one_line_config_errors() -> None:
     dataset = build_text_dataset(parse_args([]))
 
     def refusal(world: int, *args: str) -> str:
         with pytest.raises(ConfigError) as err:
-            plan_layout(parse_args(["--parallelism.world_size_invariant", *args]), 0, world, dataset)
+            _plan_slots(["--parallelism.world_size_invariant", *args], 0, world, dataset)
         assert "\n" not in str(err.value)
         return str(err.value)
 
@@ -114,7 +121,7 @@ def test_constraints_are_one_line_config_errors() -> None:
     assert "divides the 2 micro-batches per step (global / local batch size); got 4 processes: use 1, 2," in refusal(
         4, "--training.global_batch_size", "16")
     assert "got 4 processes: use 1, 2, 3, 6," in refusal(4, "--training.global_batch_size", "48")
-    plan_layout(parse_args(["--parallelism.world_size_invariant", "--training.global_batch_size", "48"]), 2, 3,
+    _plan_slots(["--parallelism.world_size_invariant", "--training.global_batch_size", "48"], 2, 3,
                 dataset)  # 3 processes split 6 micro-batches
     assert "drop --data.streaming" in refusal(1, "--training.global_batch_size", "16", "--data.streaming")
-    assert plan_layout(parse_args(["--training.global_batch_size", "32"]), 3, 4, dataset).first_slot == 3
+    assert _plan_slots(["--training.global_batch_size", "32"], 3, 4, dataset).first_slot == 3

@@ -18,7 +18,7 @@ from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
 from torchtitan_rng.models import get_train_spec
-from torchtitan_rng.parallel import plan_class
+from torchtitan_rng.parallel import mode_of
 
 
 def check(config: JobConfig, world_size: int | None = None) -> Path | None:
@@ -32,7 +32,7 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     if config.checkpoint.enable:
         resume.folder_of(config).check()  # a bucket that does not exist, a store that does not answer
     if world_size is not None:
-        plan_class(config.parallelism).check_config(config, world_size)
+        mode_of(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
     if path is None:
         resume.refuse_overwrite(config, 0)  # a resume's saves are checked once its step is loaded

@@ -1,24 +1,11 @@
-"""How a step is split over processes: one plan per parallel mode (``plan.py`` is the interface).
+"""How a step is split over processes: one plan per run (``plan.py``), composed from a layout (``layout.py``,
+``pipeline.py``) and a numerics (``numerics.py``, ``invariant/``).
 
-:func:`plan_class` is the one place that reads which mode a config asks for; everything else asks the plan.
+:func:`mode_of` is the one place that reads which mode a config asks for; everything else asks the plan.
 """
 
 from __future__ import annotations
 
-from torchtitan_rng.config import Parallelism
-from torchtitan_rng.parallel.data_parallel import DataParallelPlan
-from torchtitan_rng.parallel.invariant.plan import InvariantPlan
-from torchtitan_rng.parallel.plan import ParallelPlan
+from torchtitan_rng.parallel.plan import Mode, ParallelPlan, mode_of
 
-
-def plan_class(parallelism: Parallelism) -> type[ParallelPlan]:
-    """The plan of the mode ``parallelism`` asks for."""
-    pipelined, invariant = parallelism.pipeline_parallel_degree > 1, parallelism.world_size_invariant
-    if pipelined:
-        # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU that the
-        # launcher of a run that does not pipeline need not spend.
-        from torchtitan_rng.parallel.invariant.pipeline import InvariantPipelinePlan
-        from torchtitan_rng.parallel.pipeline import PipelinePlan
-
-        return InvariantPipelinePlan if invariant else PipelinePlan
-    return InvariantPlan if invariant else DataParallelPlan
+__all__ = ["Mode", "ParallelPlan", "mode_of"]

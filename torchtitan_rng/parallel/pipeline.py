@@ -1,42 +1,46 @@
-"""Pipeline parallelism: the model split into stages over ``pp`` ranks, each stage sharded by FSDP2 over its
-``dp`` ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it).
+"""The staged layout: the model split into stages over ``pp`` ranks, each stage sharded by FSDP2 over its ``dp``
+ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it;
+``data_parallel_shard_degree x pipeline_parallel_degree`` = the process count).
 
-A step is an optimizer step, as in ordinary data parallelism: ``torch.distributed.pipelining`` runs each of the
-rank's loader batches as one schedule of ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches
-(the last stage computes each one's loss with the step's loss function, as the other plans do), and the trainer
-checkpoints, stops and logs only between steps. Every rank's global streams go on from step to
-step and are saved per rank, so each stage's dropout resumes where it stopped; the ranks of one stage's dp group
-read the same batches as the ranks of the other stages in their dp column (``data_shard``).
+A step is an optimizer step, as without stages: ``torch.distributed.pipelining`` runs the rank's loader batches
+through the schedule, each split into ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches (the
+last stage computes each one's loss with the step's loss function), and the trainer checkpoints, stops and logs
+only between steps. The ranks of one stage's dp group read the same batches as the ranks of the other stages in
+their dp column (``data_shard``).
 
-What the bits depend on: the schedule orders each stage's micro-batches (the order of its dropout draws and of
-its gradient sums), and the split and the degree say which rank's streams draw for which layers. So a layout
-(degree, schedule, split points, micro-batch size) continues exactly only as itself: the run record holds the
-four keys and a resume with another is refused, one line per key (``checkpoint.allow_config_change`` names it).
-The world-size-invariant mode's stages (``invariant/pipeline.py``) build on this plan and drop that rule.
+With the ordinary numerics (carried streams) the bits depend on the layout: the schedule orders each stage's
+micro-batches (the order of its dropout draws and of its gradient sums), and the split and the degree say which
+rank's streams draw for which layers. So a layout (degree, schedule, split points, micro-batch size) continues
+exactly only as itself: the run record holds the four keys and a resume with another is refused, one line per key
+(``checkpoint.allow_config_change`` names it). The world-size-invariant numerics drop that rule
+(``invariant/numerics.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
-from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, gradient_accumulation_steps
+from torchtitan_rng.config import ConfigError, JobConfig, Parallelism
+from torchtitan_rng.distributed import World, data_parallel_degree
 from torchtitan_rng.parallel import wrapping
-from torchtitan_rng.parallel.data_parallel import DataParallelPlan
-from torchtitan_rng.parallel.plan import to_device
+from torchtitan_rng.parallel.layout import Layout, to_device
+from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec
 
 _KEY = "parallelism.pipeline_parallel"
 _SPLIT_PREFIX = "layers."
+_WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")  # what activation checkpointing and compile insert
 
 
 def _multi_stage(schedule: str) -> bool:
@@ -91,6 +95,11 @@ def stages_of_rank(parallelism: Parallelism, pp_rank: int) -> list[int]:
     return [s for s in range(count) if s % pp == pp_rank]
 
 
+def _plain_name(name: str) -> str:
+    """A parameter's name in the unwrapped model."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
 class _LastStageOutput(nn.Module):
     """The model as the step's loss function sees it on the last stage: the schedule has already run the stages
     on the micro-batch, so calling it returns their output."""
@@ -103,60 +112,94 @@ class _LastStageOutput(nn.Module):
         return self.output
 
 
-class PlanStage(PipelineStage):
-    """A stage that, when last, tells its plan which micro-batch the schedule's next loss call is for: the schedule
-    also calls the loss while it sets the stages up, on uninitialised outputs, and that call is no micro-batch's."""
+@dataclass
+class _ScheduleRun:
+    """One schedule run: what its loss calls and its stages take (the step, the loss function, the micro-batches
+    as the schedule splits them, the loss scale), and what they leave (each micro-batch's loss, in order)."""
 
-    def __init__(self, *args: Any, plan: PipelinePlan, **kwargs: Any) -> None:
+    step: int
+    loss_fn: LossFn
+    micro_batches: list[Batch]
+    loss_scale: float
+    losses: list[torch.Tensor] = field(default_factory=list)
+    # Set by the last stage's forward: the output and index of the micro-batch whose loss the schedule calls next.
+    loss_due: tuple[Any, int] | None = None
+
+
+class PlanStage(PipelineStage):
+    """A stage of the layout: its forwards enter their micro-batch's numerics, its backwards are the numerics'
+    when they reduce each micro-batch themselves; when last it tells the run which micro-batch the schedule's
+    next loss call is for (the schedule also calls the loss while it sets the stages up, on uninitialised
+    outputs, and that call is no micro-batch's)."""
+
+    def __init__(self, *args: Any, numerics: Numerics, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._plan = plan
+        self._numerics = numerics
+        self._run: _ScheduleRun | None = None
+        self._backwards = 0  # of this run
+
+    def begin_run(self, run: _ScheduleRun) -> None:
+        self._run, self._backwards = run, 0
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        assert self._run is not None
+        self._numerics.enter_micro_batch(self._run.step, fwd_chunk_id)
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.is_last:
-            self._plan.loss_due = (output, fwd_chunk_id)
+            self._run.loss_due = (output, fwd_chunk_id)
         return output
 
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if not (self._numerics.reduces_each_micro_batch and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        assert self._run is not None and backward_type == "full", "the split-backward schedules are refused"
+        # Reduce now, as a backward outside pipelining would: FSDP2's hooks run the reduction for this micro-batch.
+        self.submod.set_is_last_backward(True)
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        self._backwards += 1
+        if self._backwards < len(self._run.micro_batches):
+            # The gradients are views of the exchanges' shards: FSDP2 must assign the next ones, not add them.
+            # Cleared now, when the backward has resharded every parameter (a root module's stay unsharded
+            # from its forward to its backward, and clearing those would leave the sharded ones' views).
+            for p in self.submod.parameters():
+                p.grad = None
+        return grads, None
 
-class PipelinePlan(DataParallelPlan):
-    """Stages over the mesh's ``pp`` dimension, FSDP2 over its ``dp_shard`` dimension; the checkpoint rules,
-    streams and data positions of ordinary data parallelism."""
 
-    def __init__(self, config: JobConfig, world: Any) -> None:
+class StagedLayout(Layout):
+    """Stages over the mesh's ``pp`` dimension, FSDP2 over its ``dp_shard`` dimension."""
+
+    def __init__(self, config: JobConfig, world: World) -> None:
         super().__init__(config, world)
-        self.check_config(config, world.world_size)
         self.pp = config.parallelism.pipeline_parallel_degree
-        self.dp = world.world_size // self.pp
+        self.dp = data_parallel_degree(config.parallelism, world.world_size)
         self.pp_rank, self.dp_rank = divmod(world.rank, self.dp)
         mesh = init_device_mesh(world.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp_shard"))
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
-        self.stages: list[PipelineStage] = []
+        self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
         self.stage_ids: list[int] = []  # the stages this rank runs
-        self._last_losses: list[torch.Tensor] = []
-        self._loss_scale = 1.0
-        # What the last stage's loss calls of a schedule run take: the step's loss function, the run's
-        # micro-batches, and (set by the stage's forward) the output and index of the micro-batch due.
-        self._loss_fn: LossFn | None = None
-        self._micro_batches: list[Batch] = []
-        self.loss_due: tuple[Any, int] | None = None
+        self.model_order: list[str] = []  # every trainable parameter of the whole model, by name
+        self.names: list[str] = []  # this rank's trainable parameters' names in the unwrapped model
+        self._run: _ScheduleRun | None = None
 
     @classmethod
-    def check_config(cls, config: JobConfig, world_size: int) -> None:
+    def check_config(cls, config: JobConfig, world_size: int, numerics: type[Numerics]) -> None:
         par, training = config.parallelism, config.training
         pp = par.pipeline_parallel_degree
-        if world_size % pp:
-            raise ConfigError(f"config {_KEY}_degree = {pp} does not divide the {world_size} processes started; "
-                              "start a multiple of it (pp x dp processes)")
+        numerics.check_stages(par, training)
+        numerics.check_data(training, config.data, data_parallel_degree(par, world_size),
+                            "data-parallel ranks (processes / pipeline_parallel_degree)")
         if training.local_batch_size % par.pipeline_parallel_microbatch_size:
             raise ConfigError(f"config {_KEY}_microbatch_size = {par.pipeline_parallel_microbatch_size} does not "
                               f"divide training.local_batch_size = {training.local_batch_size}; choose a divisor")
         if config.validation.enable:
             raise ConfigError(f"config validation.enable: validation runs the whole model, which {_KEY}_degree "
                               f"= {pp} splits over processes; turn validation off")
-        gradient_accumulation_steps(config, world_size // pp)
         split_starts(config.parallelism)
         count = stage_count(config.parallelism)
         multi = _multi_stage(par.pipeline_parallel_schedule)
@@ -167,49 +210,40 @@ class PipelinePlan(DataParallelPlan):
                               f"{_KEY}_split_points to name {pp * (2 if multi else 1) - 1} split points")
 
     @classmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
-        """Only with the process count that saved it: the reseeded continuation re-splits the data by process
-        count, which with stages is not the data-parallel count (so ``on_world_size_change`` is not offered)."""
-        return super().check_checkpoint(info, world_size, None)
+    def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
+        return data_parallel_degree(parallelism, world_size)
 
     @classmethod
-    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
-        """Rank-major as the sample log gathers them: every rank of a dp column loads that column's batches."""
-        dp = world_size // config.parallelism.pipeline_parallel_degree
-        per_column = super().step_sample_keys(config, num_samples, dp, step)
-        accumulation = len(per_column) // dp
+    def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
+        """Every rank of a dp column loads that column's batches."""
+        per_rank = len(per_shard) // data_ranks
         return [keys for rank in range(world_size)
-                for keys in per_column[(rank % dp) * accumulation:(rank % dp + 1) * accumulation]]
+                for keys in per_shard[(rank % data_ranks) * per_rank:(rank % data_ranks + 1) * per_rank]]
 
     @property
     def data_shard(self) -> tuple[int, int]:
         return self.dp_rank, self.dp
 
     @property
-    def micro_batches_per_rank(self) -> int:
-        return gradient_accumulation_steps(self.config, self.dp)
+    def data_group(self) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group()
 
-    @property
-    def samples_per_step(self) -> int:
-        return self.config.training.local_batch_size * self.dp * self.micro_batches_per_rank
-
-    @property
-    def pipeline_micro_batches(self) -> int:
-        """Micro-batches of one schedule run (one loader batch)."""
-        return self.config.training.local_batch_size // self.config.parallelism.pipeline_parallel_microbatch_size
-
-    def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
-        config = self.config
-        modules = self.split_model(model, spec)
+    def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
+        self.model_order = [name for name, p in model.named_parameters() if p.requires_grad]
+        modules = self._split_model(model, spec)
+        numerics.hook_model(model, spec)
         sharded = self.dp > 1
         if sharded:
             for module in modules:
-                spec.apply_fsdp(module, self.dp_mesh, wrapping.fsdp_mixed_precision(config.training))
-        self.compute_context = wrapping.autocast_context(config.training, self.world.device, sharded)
-        self.build_schedule(modules, functools.partial(PlanStage, plan=self), self.pipeline_micro_batches)
+                spec.apply_fsdp(module, self.dp_mesh, numerics.fsdp_policy())
+                numerics.sharded(module)
+        self.names = [_plain_name(name) for name, p in model.named_parameters() if p.requires_grad]
+        self.compute_context = wrapping.autocast_context(self.config.training, self.world.device,
+                                                         sharded and numerics.casts_by_fsdp)
+        self._build_schedule(modules, numerics)
         return spec.loss_fn
 
-    def split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
+    def _split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
         """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
         if spec.pipeline is None or spec.block_lists is None:
             raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
@@ -224,17 +258,23 @@ class PipelinePlan(DataParallelPlan):
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
 
-    def build_schedule(self, modules: list[nn.Module], stage_class: Callable[..., PipelineStage],
-                       micro_batches: int) -> None:
-        """This rank's stages (of ``stage_class``) and the configured schedule of ``micro_batches`` over them."""
+    def _pipeline_micro_batches(self, numerics: Numerics) -> int:
+        """Micro-batches of one schedule run: each loader batch it takes split by the micro-batch size."""
+        par = self.config.parallelism
+        splits = self.config.training.local_batch_size // par.pipeline_parallel_microbatch_size
+        return splits * (numerics.micro_batches_per_rank if numerics.schedule_takes_whole_step else 1)
+
+    def _build_schedule(self, modules: list[nn.Module], numerics: Numerics) -> None:
+        """This rank's stages and the configured schedule over them."""
         count = stage_count(self.config.parallelism)
-        self.stages = [stage_class(module, s, count, self.world.device, group=self.pp_group)
+        self.stages = [PlanStage(module, s, count, self.world.device, group=self.pp_group, numerics=numerics)
                        for s, module in zip(self.stage_ids, modules)]
         name = self.config.parallelism.pipeline_parallel_schedule
         schedule = get_schedule_class(name)
+        micro_batches = self._pipeline_micro_batches(numerics)
         try:
-            # The plan scales the losses itself (by micro-batches x accumulation): the schedule's own scaling of
-            # the gradients after each schedule run would also rescale the gradients accumulated before it.
+            # The layout scales the losses itself (by the rank's micro-batches per step): the schedule's own
+            # scaling of the gradients after each schedule run would also rescale those accumulated before it.
             self.schedule = schedule(self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0],
                                      n_microbatches=micro_batches, loss_fn=self._micro_batch_loss, scale_grads=False)
         except ValueError as err:  # the schedule's own check of its micro-batches against the stages
@@ -243,51 +283,68 @@ class PipelinePlan(DataParallelPlan):
 
     def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the step's loss function on the micro-batch whose output the last stage gave."""
-        assert self.split is not None and self._loss_fn is not None
-        due, self.loss_due = self.loss_due, None
+        run = self._run
+        assert self.split is not None and run is not None
+        due, run.loss_due = run.loss_due, None
         if due is None or due[0] is not output:  # the schedule setting its stages up: only shapes are kept
-            return self.split.loss(output, target) / self._loss_scale
-        loss = self._loss_fn(_LastStageOutput(output), self._micro_batches[due[1]], self.config)
-        self._last_losses.append(loss.detach().float())
-        return loss / self._loss_scale
+            return self.split.loss(output, target) / run.loss_scale
+        loss = run.loss_fn(_LastStageOutput(output), run.micro_batches[due[1]], self.config.training)
+        run.losses.append(loss.detach().float())
+        return loss / run.loss_scale
 
-    def run_schedule(self, batch: Batch, micro_batches: list[Batch], loss_fn: LossFn) -> list[torch.Tensor]:
-        """One schedule run over ``batch`` (``micro_batches``: its split, as the schedule splits it); the last
-        stage's micro-batch losses (by ``loss_fn``), in micro-batch order (none on other stages)."""
+    def _run_schedule(self, batch: Batch, run: _ScheduleRun) -> list[torch.Tensor]:
+        """One schedule run over ``batch`` (``run.micro_batches``: its split, as the schedule splits it); the last
+        stage's micro-batch losses, in micro-batch order (none on other stages)."""
         assert self.split is not None
         inputs = (batch[self.split.input_key],) if self._holds_first else ()
-        target = batch[self.split.target_key] if self._holds_last else None
-        self._loss_fn, self._micro_batches, self._last_losses = loss_fn, micro_batches, []
+        target = batch[self.split.target_key] if self.holds_loss else None
+        self._run = run
+        for stage in self.stages:
+            stage.begin_run(run)
         with self.compute_context():
             self.schedule.step(*inputs, target=target, return_outputs=False)
-        assert len(self._last_losses) == (len(micro_batches) if self._holds_last else 0)
-        return self._last_losses
+        self._run = None
+        assert len(run.losses) == (len(run.micro_batches) if self.holds_loss else 0)
+        return run.losses
 
     @property
     def _holds_first(self) -> bool:
         return any(stage.is_first for stage in self.stages)
 
     @property
-    def _holds_last(self) -> bool:
+    def holds_loss(self) -> bool:
         return any(stage.is_last for stage in self.stages)
 
     def forward_backward(self, model: nn.Module, params: list[nn.Parameter], batches: Iterator[dict[str, Any]],
-                         loss_fn: LossFn, step: int) -> torch.Tensor:
-        """Each of the rank's loader batches through the schedule; each micro-batch's loss scaled by 1/(micro-
-        batches x accumulation). Returns the mean loss over the last stage's micro-batches and the dp ranks, the
-        same on every rank."""
-        accumulation, device = self.micro_batches_per_rank, self.world.device
-        micro_batches = self.pipeline_micro_batches
-        self._loss_scale = float(micro_batches * accumulation)
+                         loss_fn: LossFn, step: int, numerics: Numerics) -> torch.Tensor:
+        """The rank's loader batches through the schedule (all in one run, or one run each, as the numerics
+        ask), each split as the schedule splits it (``torch.tensor_split`` along the batch)."""
+        per_rank, device = numerics.micro_batches_per_rank, self.world.device
+        per_run = per_rank if numerics.schedule_takes_whole_step else 1
+        splits = self.config.training.local_batch_size // self.config.parallelism.pipeline_parallel_microbatch_size
+        scale = numerics.loss_scale(per_rank * splits)
+        numerics.begin_step(step)
         losses: list[torch.Tensor] = []
-        for _ in range(accumulation):
-            batch = to_device(next(batches), device)
-            # Split as the schedule splits its inputs and target (torch.tensor_split along the batch).
-            split = {key: value.tensor_split(micro_batches) for key, value in batch.items()}
-            losses += self.run_schedule(batch, [{key: parts[i] for key, parts in split.items()}
-                                                for i in range(micro_batches)], loss_fn)
-        total = torch.zeros((), device=device)
-        if self._holds_last:
+        for _ in range(per_rank // per_run):
+            loaded = [to_device(next(batches), device) for _ in range(per_run)]
+            batch = loaded[0] if per_run == 1 else {key: torch.cat([b[key] for b in loaded]) for key in loaded[0]}
+            micro_batches = []
+            for one in loaded:
+                parts = {key: value.tensor_split(splits) for key, value in one.items()}
+                micro_batches += [{key: split[i] for key, split in parts.items()} for i in range(splits)]
+            losses += self._run_schedule(batch, _ScheduleRun(step, loss_fn, micro_batches, scale))
+        numerics.finish_grads(params)
+        return numerics.step_loss(losses, self)
+
+    def share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """One rank of each pipeline group holds the loss, the others 0: the sum is that loss, unrounded."""
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return loss
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean over the last stage's micro-batches and the dp ranks, the same on every rank."""
+        total = torch.zeros((), device=self.world.device)
+        if self.holds_loss:
             total = torch.stack(losses).mean()
         # Only the last stage's ranks add a loss: the sum over all ranks is the sum over the dp ranks.
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -304,3 +361,12 @@ class PipelinePlan(DataParallelPlan):
         norm = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), norm)
         return norm
+
+    def in_model_order(self, params: list[nn.Parameter], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every stage's parts gathered over the pipeline group and put in the whole model's parameter order."""
+        assert len(params) == len(self.names), "the trainer steps the model's trainable parameters"
+        names = [name for name, p in zip(self.names, params) if p.grad is not None]
+        everyone: list[Any] = [None] * self.pp
+        dist.all_gather_object(everyone, {name: part.cpu() for name, part in zip(names, parts)}, group=self.pp_group)
+        gathered = {name: part for stage_parts in everyone for name, part in stage_parts.items()}
+        return [gathered[name].to(self.world.device) for name in self.model_order if name in gathered]

@@ -1,154 +1,179 @@
-"""How a training step is split over processes: the interface every parallel mode implements.
+"""How a training step is split over processes: one plan per run, composed from a layout and a numerics.
 
-One plan per mode, chosen once from the config (:func:`torchtitan_rng.parallel.plan_class`); the trainer, the
-resume, the launcher's preflight and the diagnosis ask the plan and never which mode they are in. A plan owns:
+The plan is chosen once from the config (:func:`mode_of` reads which layout and which numerics it asks for;
+nothing else reads the mode); the trainer, the resume, the launcher's preflight, the sample listing and the
+diagnosis ask the plan (or, before any process starts, its :class:`Mode`). A plan owns:
 
-* what a process must fix before it computes (kernels, threads: :meth:`prepare_process`);
-* how parameters are wrapped (activation checkpointing, compile, sharding) and the compute context
-  (:meth:`wrap`);
-* which micro-batches a rank runs (:meth:`batch_sampler`, :attr:`micro_batches_per_rank`) and how many samples
-  a step takes (:attr:`samples_per_step`);
-* how a step's gradients are reduced and what loss it reports (:meth:`forward_backward`), and the norm they
-  are clipped by (:meth:`clip_grad_norm`);
-* which ranks read the same batches (:attr:`data_shard`);
-* which streams enter a step (:attr:`carries_streams`, :meth:`step_streams`, :meth:`data_position`);
-* what the checkpoint records about the layout, what a checkpoint of another layout or process count means
-  (:meth:`record_parts`, :meth:`check_checkpoint`, :meth:`layout_keys`), and where the data stands after a resume
-  (:meth:`position_data`).
+* what a process must fix before it computes (kernels, threads: :meth:`ParallelPlan.prepare_process`);
+* how parameters are wrapped (activation checkpointing, compile, sharding, stages) and the compute context
+  (:meth:`ParallelPlan.wrap`);
+* which micro-batches a rank runs (:meth:`ParallelPlan.batch_sampler`, :attr:`ParallelPlan.micro_batches_per_rank`)
+  and how many samples a step takes (:attr:`ParallelPlan.samples_per_step`);
+* how a step's gradients are reduced and what loss it reports (:meth:`ParallelPlan.forward_backward`), and the norm
+  they are clipped by (:meth:`ParallelPlan.clip_grad_norm`);
+* which ranks read the same batches (:attr:`ParallelPlan.data_shard`);
+* which streams enter a step (:attr:`ParallelPlan.carries_streams`, :meth:`ParallelPlan.step_streams`,
+  :meth:`ParallelPlan.data_position`);
+* what the checkpoint records about the mode (``mode.py``), what a checkpoint of another layout or process count
+  means (:meth:`Mode.check_checkpoint`, :meth:`Mode.layout_keys`), and where the data stands after a resume
+  (:meth:`ParallelPlan.position_data`).
 
-Today's modes: ``data_parallel.py`` (ordinary data parallelism, FSDP2 over several processes),
-``pipeline.py`` (pipeline stages x FSDP2) and ``invariant/`` (world-size-invariant: the same bits at any
-process count; ``invariant/pipeline.py`` with pipeline stages too).
+The two axes: the **layout** (``layout.py``: which ranks hold which stages and data shards, micro-batches per rank,
+the mesh; :class:`~.layout.FlatLayout` without stages, :class:`~.pipeline.StagedLayout` with them) and the
+**numerics** (``numerics.py``: carried streams and FSDP2's reduce-scatter; ``invariant/numerics.py``: streams
+derived per micro-batch and block, the slot-order exchange, fixed kernels). Any layout with any numerics.
 """
 
 from __future__ import annotations
 
-import contextlib
-from abc import ABC, abstractmethod
-from typing import Any, Callable, ContextManager, Iterator
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.config import JobConfig
+from torchtitan_rng.config import JobConfig, Parallelism
 from torchtitan_rng.distributed import World
-from torchtitan_rng.train_spec import Batch, LossFn, TrainSpec
+from torchtitan_rng.parallel.invariant.numerics import DerivedNumerics
+from torchtitan_rng.parallel.layout import FlatLayout, Layout
+from torchtitan_rng.parallel.numerics import CarriedNumerics, Numerics
+from torchtitan_rng.train_spec import LossFn, TrainSpec
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> Batch:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+@dataclass(frozen=True)
+class Mode:
+    """A layout and a numerics, before any process starts: what the launcher, the resume's vetting, the replay and
+    the sample listing ask of a config."""
+
+    layout: type[Layout]
+    numerics: type[Numerics]
+
+    def check_config(self, config: JobConfig, world_size: int) -> None:
+        """Raise ConfigError when ``world_size`` processes cannot run this config in this mode."""
+        self.layout.check_config(config, world_size, self.numerics)
+
+    def check_checkpoint(self, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
+        """Whether this mode can continue ``info`` with ``world_size`` processes (None: not known yet): raises
+        CheckpointError when it cannot, returns True when it goes on inexactly with reseeded streams and data
+        (the process count changed and ``on_world_size_change="reseed"`` allows it; None: no such option is
+        offered, as by a layout whose data split is not the process count), False for an exact resume."""
+        offered = on_world_size_change if self.layout.reseeds_by_process_count else None
+        return self.numerics.check_checkpoint(info, world_size, offered)
+
+    def layout_keys(self) -> tuple[str, ...]:
+        """Config keys that only lay a step out over processes, this mode giving the same bits whatever their
+        value: a resume may change them without a word (the run record does not compare them)."""
+        return self.numerics.layout_keys()
+
+    def step_sample_keys(self, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
+        """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
+        ``num_samples`` samples per epoch, rank-major (as ``metrics.log_samples`` writes them), from the config
+        alone."""
+        shards = self.layout.data_ranks(config.parallelism, world_size)
+        per_shard = self.numerics.step_sample_keys(config, num_samples, shards, step)
+        return self.layout.rank_major(per_shard, shards, world_size)
+
+    @property
+    def any_process_count(self) -> bool:
+        """Whether a run's samples, streams and sums are the same at every process count its step divides."""
+        return self.numerics.any_process_count
 
 
-class ParallelPlan(ABC):
+def mode_of(parallelism: Parallelism) -> Mode:
+    """The mode ``parallelism`` asks for: the one place that reads it."""
+    numerics = DerivedNumerics if parallelism.world_size_invariant else CarriedNumerics
+    if parallelism.pipeline_parallel_degree > 1:
+        # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU that the
+        # launcher of a run that does not pipeline need not spend.
+        from torchtitan_rng.parallel.pipeline import StagedLayout
+
+        return Mode(StagedLayout, numerics)
+    return Mode(FlatLayout, numerics)
+
+
+class ParallelPlan:
     """How one run's steps are split over its processes; built once, after the process group."""
 
     def __init__(self, config: JobConfig, world: World) -> None:
         self.config = config
         self.world = world
-        self.compute_context: Callable[[], ContextManager] = contextlib.nullcontext  # set by wrap()
+        self.mode = mode_of(config.parallelism)
+        self.mode.check_config(config, world.world_size)
+        self.layout = self.mode.layout(config, world)
+        self.numerics = self.mode.numerics(config, self.layout.data_shard, world.device)
 
-    # --- before any process starts (the launcher's preflight) and at start-up -----------------------------
-    @classmethod
-    @abstractmethod
-    def check_config(cls, config: JobConfig, world_size: int) -> None:
-        """Raise ConfigError when ``world_size`` processes cannot run this config in this mode."""
-
-    @classmethod
-    @abstractmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
-        """Whether this mode can continue ``info`` with ``world_size`` processes (None: not known yet): raises
-        CheckpointError when it cannot, returns True when it goes on inexactly with reseeded streams and data
-        (the process count changed and ``on_world_size_change="reseed"`` allows it; None: no such option is
-        offered), False for an exact resume."""
-
-    @classmethod
-    @abstractmethod
-    def step_sample_keys(cls, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
-        """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
-        ``num_samples`` samples per epoch, rank-major (as ``metrics.log_samples`` writes them), from the config
-        alone."""
-
-    @classmethod
-    def layout_keys(cls) -> tuple[str, ...]:
-        """Config keys that only lay a step out over processes, this mode giving the same bits whatever their
-        value: a resume may change them without a word (the run record does not compare them)."""
-        return ()
-
-    @abstractmethod
     def prepare_process(self) -> None:
         """Process-wide settings every computation of the run depends on (kernels, threads)."""
+        self.numerics.prepare_process()
 
     # --- building ----------------------------------------------------------------------------------------
-    @abstractmethod
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:
-        """Wrap the built model in place (checkpointing, compile, sharding), set :attr:`compute_context`, and
-        return the loss function to train with (compiled when asked)."""
+        """Wrap the built model in place (checkpointing, compile, sharding, stages), set the layout's compute
+        context, and return the loss function to train with (compiled when asked)."""
+        return self.layout.wrap(model, spec, self.numerics)
 
     @property
-    @abstractmethod
     def micro_batches_per_rank(self) -> int:
         """Batches a rank takes from its loader per optimizer step."""
+        return self.numerics.micro_batches_per_rank
 
     @property
-    @abstractmethod
     def samples_per_step(self) -> int:
         """Samples one optimizer step trains on, over all ranks."""
+        return self.numerics.samples_per_step
 
-    @abstractmethod
     def batch_sampler(self, dataset: Dataset) -> Any:
         """The batch sampler of this rank's loader; None: the loader's own per-rank sampler. Raises ConfigError
         when the dataset cannot be split this way."""
+        return self.numerics.batch_sampler(dataset)
 
-    @abstractmethod
     def record_parts(self) -> dict[str, Stateful]:
-        """Checkpoint parts that record this mode's layout (checked again when loaded)."""
+        """Checkpoint parts that record this mode (checked again when loaded)."""
+        return self.numerics.record_parts()
 
     # --- a step ------------------------------------------------------------------------------------------
-    @abstractmethod
     def forward_backward(self, model: nn.Module, params: list[nn.Parameter], batches: Iterator[dict[str, Any]],
                          loss_fn: LossFn, step: int) -> torch.Tensor:
-        """Run this rank's micro-batches of ``step``, leave the step's gradients in ``p.grad`` (reduced over the
-        ranks), and return the step's loss as logged (the same value on every rank)."""
-
-    # --- streams and data position -----------------------------------------------------------------------
-    @property
-    @abstractmethod
-    def carries_streams(self) -> bool:
-        """True when the global streams go on from step to step (saved and restored with the checkpoint);
-        False when each step seeds them itself."""
+        """Run this rank's micro-batches of ``step``, each loss by ``loss_fn``, leave the step's gradients in
+        ``p.grad`` (reduced over the ranks), and return the step's loss as logged (the same value on every
+        rank)."""
+        return self.layout.forward_backward(model, params, batches, loss_fn, step, self.numerics)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip this rank's gradients by the total norm of the whole model's (``max_norm`` 0: off) and return
-        that norm as a 0-d tensor on the device (the loss log reads it later, with no sync here)."""
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm
+        that norm as a 0-d tensor on the device (the loss log reads it later)."""
+        return self.numerics.clip_grad_norm(params, max_norm, self.layout)
 
     @property
     def data_shard(self) -> tuple[int, int]:
         """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
-        return self.world.rank, self.world.world_size
+        return self.layout.data_shard
+
+    # --- streams and data position -----------------------------------------------------------------------
+    @property
+    def carries_streams(self) -> bool:
+        """True when the global streams go on from step to step (saved and restored with the checkpoint);
+        False when each step seeds them itself."""
+        return self.numerics.carries_streams
 
     def step_streams(self, step: int) -> ContextManager:
         """Within it, the global streams stand as the first micro-batch of ``step`` on this rank will draw them
         (for fingerprints); no stream of the run moves. Carried streams already stand so."""
-        return contextlib.nullcontext()
+        return self.numerics.step_streams(step)
 
     def data_position(self, dataloader: Any) -> Stateful:
         """What carries this rank's data position across a resume (fingerprinted as the "dataloader" stream)."""
-        return dataloader
+        return self.numerics.data_position(dataloader)
 
-    @abstractmethod
     def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
         """After a checkpoint of ``step`` was loaded: put the data where ``step`` leaves it, when the loader's
         own state was not loaded (another process count, or a mode that does not restore it)."""
+        self.numerics.position_data(sampler, step, saved_world_size, reseeded)
 
     @property
-    @abstractmethod
     def loads_dataloader(self) -> bool:
         """Whether a resume loads the loader's saved state (else :meth:`position_data` sets its position)."""
+        return self.numerics.loads_dataloader

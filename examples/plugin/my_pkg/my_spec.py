@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import Dataset
 
 from torchtitan_rng import ConfigError, JobConfig, SampleRandomDataset, TrainSpec, register_train_spec
+from torchtitan_rng.config import Training
 
 WIDTHS = {"small": 32, "wide": 128}  # model.flavor -> hidden width
 
@@ -70,7 +71,7 @@ def build_dataset(config: JobConfig) -> Dataset:
     return NoisySine(config.data.num_samples or 256, config.debug.seed)
 
 
-def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor], config: JobConfig) -> torch.Tensor:
+def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor], training: Training) -> torch.Tensor:
     return F.mse_loss(model(batch["x"]), batch["y"])
 
 

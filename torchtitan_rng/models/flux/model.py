@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import ConfigError, JobConfig, Training
 from torchtitan_rng.models.flux.autoencoder import DOWNSCALE, LATENT_CHANNELS, Autoencoder
 from torchtitan_rng.models.flux.mmdit import MMDiT, MMDiTArgs
 from torchtitan_rng.models.flux.text_encoders import TextEncoders
@@ -58,7 +58,7 @@ def sample_timesteps(batch_size: int, sampling: str, device: torch.device) -> to
     return torch.sigmoid(torch.randn(batch_size, device=device))
 
 
-def flux_loss(model: FluxModel, batch: dict[str, torch.Tensor], config: JobConfig) -> torch.Tensor:
+def flux_loss(model: FluxModel, batch: dict[str, torch.Tensor], training: Training) -> torch.Tensor:
     """Rectified-flow MSE. Noise, timesteps and prompt dropout come from the device's GLOBAL generator, in this
     order, so the trainer's captured RNG state fully determines them on resume."""
     images, tokens = batch["image"], batch["caption_tokens"]
@@ -68,8 +68,8 @@ def flux_loss(model: FluxModel, batch: dict[str, torch.Tensor], config: JobConfi
         txt, pooled = model.text_encoders(tokens)
         empty_txt, empty_pooled = model.text_encoders.empty_prompt(batch_size, tokens.shape[1], device)
     noise = torch.randn(latents.shape, device=device, dtype=latents.dtype)
-    t = sample_timesteps(batch_size, config.training.timestep_sampling, device)
-    drop = torch.rand(batch_size, device=device) < config.training.classifier_free_guidance_prob
+    t = sample_timesteps(batch_size, training.timestep_sampling, device)
+    drop = torch.rand(batch_size, device=device) < training.classifier_free_guidance_prob
     txt = torch.where(drop[:, None, None], empty_txt, txt)
     pooled = torch.where(drop[:, None], empty_pooled, pooled)
     t_img = t.to(latents.dtype)[:, None, None, None]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchtitan_rng.config import ConfigError, JobConfig
+from torchtitan_rng.config import ConfigError, JobConfig, Training
 from torchtitan_rng.data.token_files import vocab_size
 from torchtitan_rng.models.llama.dataset import build_text_dataset
 from torchtitan_rng.models.llama.model import FLAVORS, Llama, LlamaStage, prune_to_stages
@@ -26,7 +26,7 @@ def build_llama(config: JobConfig) -> Llama:
     return Llama(replace(args, vocab_size=vocab_size(config.training.dataset_path, config.model.vocab_size)))
 
 
-def llama_loss(model: nn.Module, batch: Batch, config: JobConfig) -> torch.Tensor:
+def llama_loss(model: nn.Module, batch: Batch, training: Training) -> torch.Tensor:
     return next_token_loss(model(batch["input"]), batch["labels"])
 
 

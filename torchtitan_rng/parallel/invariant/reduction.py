@@ -2,7 +2,7 @@
 
 Floating-point addition is commutative (``a + b`` and ``b + a`` are the same bits) but not associative, so a
 sum is reproducible only if its order is. A step's ``M`` micro-batches are numbered by global slot, and rank
-``r`` of ``W`` processes runs slots ``r, r + W, r + 2W, ...`` (``step.Layout``): round ``i`` of the step runs
+``r`` of ``W`` processes runs slots ``r, r + W, r + 2W, ...`` (``step.Slots``): round ``i`` of the step runs
 slots ``iW .. iW + W - 1``, one on each rank. The step's gradient is the float32 sum ``g_0 + g_1 + ... +
 g_{M-1}`` taken strictly left to right (the first assigned, each next one added), then divided by ``M``.
 
@@ -38,7 +38,7 @@ from torchtitan_rng.errors import ConfigError
 class SlotOrderExchange(ReduceScatter):
     """FSDP2's reduce-scatter of one sharded module, replaced: receive every rank's slice of this rank's shard
     and add them in rank (= slot) order into the shard the step accumulates. FSDP2 then views that shard as the
-    parameters' ``.grad``; :func:`step.forward_backward` clears ``.grad`` between rounds so that FSDP2 assigns
+    parameters' ``.grad``; the layout clears ``.grad`` between rounds so that FSDP2 assigns
     the views again instead of adding them to themselves."""
 
     def __init__(self) -> None:

@@ -12,18 +12,16 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.config import ConfigError, JobConfig
-from torchtitan_rng.data.global_sampler import GlobalBatchSampler
+from torchtitan_rng.config import ConfigError, Data, Training
 from torchtitan_rng.data.worker_rng import uses_global_rng
-from torchtitan_rng.parallel.invariant.step import Layout
+from torchtitan_rng.parallel.invariant.step import Slots
 
 _FLAG = "--parallelism.world_size_invariant"
 
 
-def check_batch_layout(config: JobConfig, world: int, ranks: str = "processes") -> int:
+def check_batch_layout(training: Training, data: Data, world: int, ranks: str = "processes") -> int:
     """The micro-batches per step; raises ConfigError when ``world`` processes (or the ``ranks`` named) cannot
     split them invariantly (checked by the launcher too, before any process starts)."""
-    training = config.training
     if training.global_batch_size < 1:
         raise ConfigError(f"{_FLAG} needs training.global_batch_size (samples per optimizer step, the same at "
                           "every process count); set it to a multiple of training.local_batch_size")
@@ -37,22 +35,22 @@ def check_batch_layout(config: JobConfig, world: int, ranks: str = "processes") 
         raise ConfigError(f"{_FLAG} needs a number of {ranks} that divides the {micro_batches} micro-batches "
                           f"per step (global / local batch size); got {world} {ranks}: use {counts}, or "
                           "change training.global_batch_size")
-    if config.data.streaming:
+    if data.streaming:
         raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset, and a streaming source has no "
                           "index; drop --data.streaming")
     return micro_batches
 
 
-def plan_layout(config: JobConfig, rank: int, world: int, dataset: Dataset) -> Layout:
-    """This rank's share of each step; raises ConfigError when the run cannot be world-size-invariant."""
-    micro_batches = check_batch_layout(config, world)
+def plan_slots(training: Training, data: Data, rank: int, world: int, dataset: Dataset) -> Slots:
+    """This data shard's share of each step; raises ConfigError when the run cannot be world-size-invariant."""
+    micro_batches = check_batch_layout(training, data, world)
     if isinstance(dataset, IterableDataset):
         raise ConfigError(f"{_FLAG} places samples by index in a map-style dataset; {type(dataset).__name__} is "
                           "an IterableDataset")
     if uses_global_rng(dataset):
         raise ConfigError(f"{_FLAG} needs a dataset that derives its randomness from sample keys (form 1, "
                           f"SampleRandomDataset); {type(dataset).__name__} may draw from the global RNGs")
-    return Layout(micro_batches=micro_batches, rank=rank, world=world)
+    return Slots(micro_batches=micro_batches, rank=rank, world=world)
 
 
 def use_fixed_kernels() -> None:
@@ -60,7 +58,3 @@ def use_fixed_kernels() -> None:
     torch.set_num_threads(1)
     device_lib.use_deterministic_algorithms()
 
-
-def global_sampler(num_samples: int, config: JobConfig, layout: Layout) -> GlobalBatchSampler:
-    return GlobalBatchSampler(num_samples, config.training.local_batch_size, layout.micro_batches, layout.rank,
-                              layout.world, config.debug.seed)

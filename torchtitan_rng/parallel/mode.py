@@ -1,6 +1,6 @@
-"""The checkpoint part that marks a world-size-invariant run, and the rule it enforces at a resume: an
-invariant run continues only an invariant checkpoint of the same batch shape, an ordinary run only an
-ordinary checkpoint."""
+"""The mode marker every plan checks: the checkpoint part that marks a world-size-invariant run, and the rule it
+enforces at a resume (an invariant run continues only an invariant checkpoint of the same batch shape, an ordinary
+run only an ordinary checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.config import Training
+from torchtitan_rng.errors import CheckpointError
 
 RECORD_PART = "world_size_invariant"
 _FLAG = "--parallelism.world_size_invariant"

@@ -1,0 +1,158 @@
+"""Where a step runs: which ranks hold which stages and which data shards, how many micro-batches each rank runs,
+and the mesh. The interface, and the layout without stages.
+
+Two layouts today: :class:`FlatLayout` here (every rank the whole model and its own data shard, FSDP2 over all
+processes) and ``pipeline.py`` (stages over ``pp`` ranks, each sharded over its ``dp`` ranks). A layout runs
+the micro-batches of a step and asks its :class:`~torchtitan_rng.parallel.numerics.Numerics` at the points where
+the numerics differ; a new axis (tensor or context parallelism, replicated shards) is a new layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rng.config import JobConfig, Parallelism
+from torchtitan_rng.distributed import World, data_parallel_degree, mean_over_ranks
+from torchtitan_rng.parallel import wrapping
+from torchtitan_rng.parallel.numerics import Numerics
+from torchtitan_rng.train_spec import Batch, LossFn, TrainSpec
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> Batch:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+class Layout(ABC):
+    """The ranks of one run and what each holds; built once, after the process group."""
+
+    # Whether a checkpoint of another process count may continue (inexactly) with the data re-split by count.
+    reseeds_by_process_count = False
+
+    def __init__(self, config: JobConfig, world: World) -> None:
+        self.config = config
+        self.world = world
+        self.compute_context: Callable[[], ContextManager] = contextlib.nullcontext  # set by wrap()
+
+    # --- before any process starts ---------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def check_config(cls, config: JobConfig, world_size: int, numerics: type[Numerics]) -> None:
+        """Raise ConfigError when ``world_size`` processes cannot lay this config out (with ``numerics``)."""
+
+    @classmethod
+    @abstractmethod
+    def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
+        """How many data shards ``world_size`` processes make (each shard's ranks read the same batches)."""
+
+    @classmethod
+    def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
+        """Every rank's micro-batch keys, rank-major, from each data shard's (shard-major)."""
+        return per_shard
+
+    # --- building ----------------------------------------------------------------------------------------
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
+        return self.world.rank, self.world.world_size
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The ranks that read different data (None: all)."""
+        return None
+
+    @abstractmethod
+    def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
+        """As :meth:`ParallelPlan.wrap`."""
+
+    # --- a step ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def forward_backward(self, model: nn.Module, params: list[nn.Parameter], batches: Iterator[dict[str, Any]],
+                         loss_fn: LossFn, step: int, numerics: Numerics) -> torch.Tensor:
+        """As :meth:`ParallelPlan.forward_backward`."""
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank computes micro-batch losses (with stages: the last stage's ranks)."""
+        return True
+
+    def share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss that the ranks holding losses agree on, given to every rank (the others hold 0)."""
+        return loss
+
+    @abstractmethod
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of every rank's micro-batch losses, as this layout's collectives sum it."""
+
+    @abstractmethod
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's gradient norm, as this layout's collectives sum it; returns the norm."""
+
+    def in_model_order(self, params: list[nn.Parameter], parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter values of this rank's ``params`` (those with a gradient), as the whole model's."""
+        return parts
+
+
+class FlatLayout(Layout):
+    """Every rank the whole model and its own data shard; FSDP2 over all processes (nothing on one)."""
+
+    reseeds_by_process_count = True
+
+    @classmethod
+    def check_config(cls, config: JobConfig, world_size: int, numerics: type[Numerics]) -> None:
+        data_parallel_degree(config.parallelism, world_size)
+        numerics.check_data(config.training, config.data, world_size, "processes")
+
+    @classmethod
+    def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
+        return world_size
+
+    def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
+        config = self.config
+        wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
+        wrapping.apply_compile(model, spec, config.compile)
+        numerics.hook_model(model, spec)
+        sharded = self.world.world_size > 1
+        if sharded:
+            spec.apply_fsdp(model, self.world.mesh, numerics.fsdp_policy())
+            numerics.sharded(model)
+        self.compute_context = wrapping.autocast_context(config.training, self.world.device,
+                                                         sharded and numerics.casts_by_fsdp)
+        return wrapping.compiled_loss(spec.loss_fn, model, config.compile)
+
+    def forward_backward(self, model: nn.Module, params: list[nn.Parameter], batches: Iterator[dict[str, Any]],
+                         loss_fn: LossFn, step: int, numerics: Numerics) -> torch.Tensor:
+        """The rank's micro-batches one after the other, each loss's backward before the next forward."""
+        micro_batches = numerics.micro_batches_per_rank
+        scale = numerics.loss_scale(micro_batches)
+        numerics.begin_step(step)
+        losses = []
+        for index in range(micro_batches):
+            batch = to_device(next(batches), self.world.device)
+            numerics.enter_micro_batch(step, index)
+            with self.compute_context():
+                loss = loss_fn(model, batch, self.config.training)
+            (loss / scale).backward()
+            losses.append(loss.detach().float())
+            numerics.after_backward(index, micro_batches, params)
+        numerics.finish_grads(params)
+        return numerics.step_loss(losses, self)
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), device=self.world.device)
+        for loss in losses:
+            total += loss
+        return mean_over_ranks(total / len(losses))
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The norm as FSDP2 computes it over the shards (a 0-d tensor on the device: no sync here)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm
