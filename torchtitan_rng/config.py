@@ -199,7 +199,7 @@ class Parallelism:
                                            "process count; -1: what the pipeline degree leaves (processes / pp)")
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
-                                      "gradients summed in slot order, sharded by FSDP2 (docs/replay.md)")
+                                      "gradients summed in slot order, sharded by FSDP2 (docs/world_size_invariant.md)")
     pipeline_parallel_degree: int = _key(1, "pipeline stages the model is split over (docs/pipeline.md); the "
                                          "processes are pp x dp, each stage sharded by FSDP2 over its dp ranks")
     pipeline_parallel_schedule: str = _key("1F1B", "the order a rank runs its micro-batches in (it sets the "

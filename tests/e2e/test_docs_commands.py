@@ -11,12 +11,12 @@ from tests.support.launch import together
 
 
 def test_the_docs_examples_run_as_written(tmp_path: Path) -> None:
-    """docs/replay.md: a 2-process world-size-invariant run, three of its steps again on one process from its
+    """docs/world_size_invariant.md: a 2-process world-size-invariant run, three of its steps again on one process from its
     checkpoint (looking only), compared: identical. docs/spikes.md: the token file written, a 2-process ordinary
     run on it, and its step 7 replayed at its own count by default: equal bit for bit."""
     folders = {name: as_repository(tmp_path / name) for name in ("replay", "spikes")}
     replayed, spiked = together(
-        lambda: run_block(block_after("replay.md", "## Example"), folders["replay"], processes=2),
+        lambda: run_block(block_after("world_size_invariant.md", "## Example"), folders["replay"], processes=2),
         lambda: run_block(block_after("spikes.md", "`train.bin` is a file"), folders["spikes"], processes=2))
     assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
     assert replayed.stdout.strip().splitlines()[-1] == "identical: 3 steps (6..8) with bitwise-equal losses"
