@@ -3,9 +3,10 @@
 Each rank takes the keys out of the batches it loads (``data/sample_keys.py``) and keeps them per step; at the
 loss log's sync points (every ``metrics.log_freq`` steps, each checkpoint, a stop, the last step) the ranks
 gather them in one collective and rank 0 writes them as ``"samples"``: one list of keys per micro-batch,
-rank-major (rank r's i-th micro-batch of the step at ``r * micro_batches_per_rank + i``), the order in which
-both plans lay out a step (in the world-size-invariant mode that is the global slot). Nothing is read or sent
-between two sync points. A run that fails between two writes its queued lines without their samples.
+rank-major (rank r's i-th micro-batch of the step at ``r * micro_batches_per_rank + i``). In the
+world-size-invariant mode slots are dealt round-robin (shard r's i-th micro-batch is slot ``i * D + r`` of D
+data shards), so there the position is not the slot. Nothing is read or sent between two sync points. A run
+that fails between two writes its queued lines without their samples.
 """
 
 from __future__ import annotations
