@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.support.graphs import cycles as components
+
 ROOT = Path(__file__).resolve().parents[2]
 # Cycles allowed by name (each a sorted tuple of modules, with the reason): none.
 ALLOWED: dict[tuple[str, ...], str] = {}
@@ -61,34 +63,7 @@ def cycles(root: Path) -> list[tuple[str, ...]]:
     more than one module), each sorted."""
     modules = _modules(root)
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    order: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[tuple[str, ...]] = []
-
-    def connect(node: str) -> None:  # Tarjan's algorithm
-        order[node] = low[node] = len(order)
-        stack.append(node)
-        for other in graph[node]:
-            if other not in order:
-                connect(other)
-                low[node] = min(low[node], low[other])
-            elif other in stack:
-                low[node] = min(low[node], order[other])
-        if low[node] == order[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(tuple(sorted(component)))
-
-    for name in sorted(graph):
-        if name not in order:
-            connect(name)
-    return sorted(found)
+    return sorted(tuple(component) for component in components(graph))
 
 
 def test_no_module_imports_itself_through_others() -> None:
