@@ -205,8 +205,9 @@ class Parallelism:
     pipeline_parallel_schedule: str = _key("1F1B", "the order a rank runs its micro-batches in (it sets the "
                                            "order of dropout draws and of gradient sums)",
                                            choices=PIPELINE_SCHEDULES)
-    pipeline_parallel_microbatch_size: int = _key(1, "samples per pipeline micro-batch; it divides "
-                                                  "training.local_batch_size")
+    pipeline_parallel_microbatch_size: int = _key(0, "samples per pipeline micro-batch; it divides "
+                                                  "training.local_batch_size; 0: 1, and in the world-size-invariant "
+                                                  "mode training.local_batch_size (the only size it runs)")
     pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
                                                      "stages); empty: layers split evenly")
 
@@ -266,7 +267,7 @@ _MINIMUMS: dict[str, float] = {
     "training.steps": 1,
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
-    "parallelism.pipeline_parallel_microbatch_size": 1,
+    "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,
     "training.image_size": 4,

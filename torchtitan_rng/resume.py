@@ -20,6 +20,7 @@ Every decision is taken from the checkpoint's metadata and the config, so all ra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.checkpoint.vetting import Vetted, vet
 from torchtitan_rng.config import Checkpoint, JobConfig, Training, lr_total_steps, to_dict
 from torchtitan_rng.errors import CheckpointError, ConfigError
+from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.parallel.plan import ParallelPlan
 from torchtitan_rng.rng import seed_training_streams, stream_seed
@@ -68,9 +70,11 @@ def data_fingerprint(training: Training, dataset: Any) -> dict[str, Any]:
 
 
 def resolved(config: JobConfig) -> dict[str, Any]:
-    """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps)."""
+    """Every key as ``section.key``, with the lr horizon resolved (0 means training.steps) and what the parallel
+    mode resolves (an unset pipeline micro-batch size)."""
     values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
     values[run_record.HORIZON_KEY] = lr_total_steps(config)
+    values.update(mode_of(config.parallelism).resolved(config))
     values[skips.KEY] = skips.canonical(config.training.skip_steps)
     return values
 
@@ -138,6 +142,27 @@ def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
     return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
+def model_blocks(config: JobConfig) -> Callable[[], int | None]:
+    """The number of repeated blocks of the config's model (its train spec's first block list; None: it has
+    none), counted when first asked on a model built on the meta device (no memory, no random draw)."""
+
+    @functools.cache
+    def count() -> int | None:
+        spec = get_train_spec(config)
+        if spec.block_lists is None:
+            return None
+        with torch.device("meta"):
+            return len(spec.block_lists(spec.build_model(config))[0])
+
+    return count
+
+
+def compared_by(config: JobConfig) -> run_record.Compared:
+    """How this config's run compares a record's config with its own (its parallel mode's view)."""
+    rule, blocks = mode_of(config.parallelism), model_blocks(config)
+    return lambda values: rule.compared(values, blocks)
+
+
 def vet_for(config: JobConfig, path: Where, record: dict[str, Any], world_size: int | None,
             device: torch.device = torch.device("cpu")) -> Vetted:
     """The trainer's vetting of ``path``: the plan's layout rule, this run's record, the config's allowances.
@@ -146,7 +171,7 @@ def vet_for(config: JobConfig, path: Where, record: dict[str, Any], world_size: 
     on_change = config.checkpoint.on_world_size_change
     vetted = vet(path, layout=lambda info: rule.check_checkpoint(info, world_size, on_change), record=record,
                  allowed=config.checkpoint.allow_config_change, device=device,
-                 signing=signing_of(config.checkpoint), layout_keys=rule.layout_keys())
+                 signing=signing_of(config.checkpoint), compared=compared_by(config))
     vetted.warnings.extend(refuse_another_runs(config, path))
     return vetted
 

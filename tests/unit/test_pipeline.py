@@ -4,6 +4,7 @@ record, one line per key."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,13 @@ from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.layout import TRAIN_STATE, rank_key
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
+from torchtitan_rng.checkpoint.manager import CheckpointManager
+from torchtitan_rng.checkpoint.states import ModelState
 from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.config import ConfigError, JobConfig, parse_args
 from torchtitan_rng.distributed import data_parallel_degree
+from torchtitan_rng.launch import preflight
+from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import Mode, mode_of
 from torchtitan_rng.parallel.layout import FlatLayout
 from torchtitan_rng.parallel.numerics import CarriedNumerics
@@ -117,6 +122,17 @@ class _Samples:
         return 64
 
 
+DEBUG4 = ("--model.flavor", "debug4")  # four layers: split evenly over two stages at layers.2
+
+
+def _resumed(saved: JobConfig, config: JobConfig, allowed: tuple[str, ...] = ()) -> list[str]:
+    """What a resume of a checkpoint trained with ``saved`` says when run with ``config`` (its run record's
+    verdict, the config seen as the resume's parallel mode sees it)."""
+    return run_record.check_resume(Path("ckpt/step-2"), resume.build_record(saved, _Samples()),
+                                   resume.build_record(config, _Samples()), list(allowed),
+                                   compared=resume.compared_by(config))
+
+
 @pytest.mark.parametrize(("flag", "value"), [
     ("--parallelism.pipeline_parallel_degree", "1"),
     ("--parallelism.pipeline_parallel_schedule", "GPipe"),
@@ -126,16 +142,60 @@ class _Samples:
 def test_a_layout_change_at_resume_is_refused_in_one_line(flag: str, value: str) -> None:
     """A checkpoint of pp 2 under 1F1B continued with another degree, schedule, micro-batch size or split: one
     line naming the key and the opt-in, which then names the change in a WARNING."""
-    saved = resume.build_record(_pp(2, "1F1B"), _Samples())
-    changed = resume.build_record(_pp(2, "1F1B", flag, value), _Samples())
     key = flag[2:]
     with pytest.raises(run_record.ConfigDriftError) as refused:
-        run_record.check_resume(Path("ckpt/step-2"), saved, changed, [])
+        _resumed(_pp(2, "1F1B", *DEBUG4), _pp(2, "1F1B", *DEBUG4, flag, value))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{key} = ") and \
         f"--checkpoint.allow_config_change {key}" in message, message
-    warnings = run_record.check_resume(Path("ckpt/step-2"), saved, changed, [key])
+    warnings = _resumed(_pp(2, "1F1B", *DEBUG4), _pp(2, "1F1B", *DEBUG4, flag, value), (key,))
     assert len(warnings) == 1 and warnings[0].startswith(f"WARNING: {key} = "), warnings
+
+
+def test_a_split_named_as_the_default_made_it_is_the_same_layout() -> None:
+    """The default split of two layers over two stages is layers.1: naming it at a resume changes nothing, and
+    the reverse; control above: layers.1 on four layers (default layers.2) is refused, naming both splits."""
+    named = ("--parallelism.pipeline_parallel_split_points", "layers.1")
+    assert _resumed(_pp(2, "1F1B"), _pp(2, "1F1B", *named)) == []
+    assert _resumed(_pp(2, "1F1B", *named), _pp(2, "1F1B")) == []
+    with pytest.raises(run_record.ConfigDriftError, match=r"^parallelism.pipeline_parallel_split_points = "
+                       r"\['layers.1'\] but checkpoint ckpt/step-2 was trained with \['layers.2'\]: "):
+        _resumed(_pp(2, "1F1B", *DEBUG4), _pp(2, "1F1B", *DEBUG4, *named))
+
+
+def test_without_stages_the_stage_keys_are_not_compared() -> None:
+    """A resume without stages names no micro-batch size, schedule or split: they mean nothing there. pp 2 -> 1
+    names the degree alone; pp 1 -> 1 with other stage keys names nothing."""
+    stage_keys = ("--parallelism.pipeline_parallel_microbatch_size", "2", "--parallelism.pipeline_parallel_schedule",
+                  "GPipe")
+    with pytest.raises(run_record.ConfigDriftError) as refused:
+        _resumed(_pp(2, "1F1B", *stage_keys), _pp(1, "1F1B"))
+    assert str(refused.value).startswith("parallelism.pipeline_parallel_degree = 1 but checkpoint ckpt/step-2 was "
+                                         "trained with 2: "), str(refused.value)
+    assert "microbatch" not in str(refused.value) and "schedule" not in str(refused.value)
+    assert _resumed(_pp(1, "1F1B", *stage_keys), _pp(1, "1F1B")) == []
+
+
+def test_a_resume_through_preflight_compares_the_resolved_split(tmp_path: Path) -> None:
+    """The launcher's check of a real checkpoint folder (the one vetting the trainer runs too): a run of the
+    default split resumed with it named goes on; control: another split is refused."""
+    def config(*flags: str) -> JobConfig:
+        return _pp(2, "1F1B", "--job.dump_folder", str(tmp_path), "--checkpoint.enable", *flags)
+
+    for flavor, named in (("debug", "layers.1"), ("debug4", "layers.1")):
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        trained = config("--model.flavor", flavor)
+        manager = CheckpointManager(resume.folder_of(trained), {"model": ModelState(torch.nn.Linear(4, 4))},
+                                    interval=1, log=lambda line: None)
+        manager.run_record = resume.build_record(trained, get_train_spec(trained).build_dataset(trained))
+        manager.save(2, last_step=2)
+        manager.close()
+        resumed = config("--model.flavor", flavor, "--parallelism.pipeline_parallel_split_points", named)
+        if flavor == "debug":
+            assert preflight.check(resumed) == tmp_path / "checkpoint" / "step-2"
+        else:
+            with pytest.raises(run_record.ConfigDriftError, match="^parallelism.pipeline_parallel_split_points"):
+                preflight.check(resumed)
 
 
 def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> None:

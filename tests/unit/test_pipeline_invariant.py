@@ -20,8 +20,7 @@ from torchtitan_rng.parallel import Mode, mode_of
 from torchtitan_rng.parallel.invariant.numerics import DerivedNumerics
 from torchtitan_rng.parallel.invariant.streams import MicroBatchStreams
 from torchtitan_rng.parallel.layout import FlatLayout
-from torchtitan_rng.parallel.numerics import CarriedNumerics
-from torchtitan_rng.parallel.pipeline import StagedLayout
+from torchtitan_rng.parallel.pipeline import StagedLayout, describe_stages, stage_layers
 
 CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
 # Four micro-batches of 2 per step.
@@ -40,7 +39,6 @@ def _pp2(schedule: str = "1F1B", *overrides: str) -> JobConfig:
 
 
 INVARIANT_PIPELINE, INVARIANT_FLAT = Mode(StagedLayout, DerivedNumerics), Mode(FlatLayout, DerivedNumerics)
-PIPELINE = Mode(StagedLayout, CarriedNumerics)
 
 
 def test_the_plan_with_stages_in_the_invariant_mode() -> None:
@@ -69,6 +67,22 @@ def test_what_cannot_be_invariant_is_refused_in_one_line(config: JobConfig, worl
     assert "\n" not in str(refused.value) and fragment in str(refused.value), str(refused.value)
 
 
+def test_an_unset_micro_batch_size_is_the_local_batch_size_in_this_mode() -> None:
+    """Stages without --parallelism.pipeline_parallel_microbatch_size: the mode runs (and records, and prints) its
+    micro-batch, training.local_batch_size; the ordinary mode resolves the same unset key to 1."""
+    config = _config(*INVARIANT, "--parallelism.pipeline_parallel_degree", "2")
+    assert config.parallelism.pipeline_parallel_microbatch_size == 0  # unset
+    INVARIANT_PIPELINE.check_config(config, 2)
+    assert resume.resolved(config)["parallelism.pipeline_parallel_microbatch_size"] == 2
+    assert describe_stages(config.parallelism, config.training, DerivedNumerics, 1,
+                           stage_layers(config.parallelism, 2)) == (
+        "pipeline: pp 2 x dp 1, schedule 1F1B, 2 stages (layers 0 | 1); micro-batches of 2 sample(s), 1 per loader "
+        "batch; parallelism.pipeline_parallel_microbatch_size unset: training.local_batch_size, this mode's "
+        "micro-batch")
+    ordinary = _config("--training.local_batch_size", "2", "--parallelism.pipeline_parallel_degree", "2")
+    assert resume.resolved(ordinary)["parallelism.pipeline_parallel_microbatch_size"] == 1
+
+
 class _Samples:
     def __len__(self) -> int:
         return 64
@@ -76,14 +90,16 @@ class _Samples:
 
 def test_a_layout_change_at_resume_is_quiet_in_the_invariant_mode_only() -> None:
     """A pp 2 x 1F1B checkpoint resumed by one process without stages: no key differs for the invariant plan;
-    control: the same change is two refused keys for the ordinary pipeline plan."""
+    control: the same change is a refused key for the ordinary plan (the degree: the stage keys mean nothing
+    without stages, so the micro-batch size is not named)."""
     saved = resume.build_record(_pp2(), _Samples())
     one_process = resume.build_record(_config(*INVARIANT), _Samples())
-    assert run_record.differences(saved, one_process, mode_of(_config(*INVARIANT).parallelism).layout_keys()) == []
-    assert run_record.check_resume(Path("ckpt/step-2"), saved, one_process, [],
-                                   layout_keys=INVARIANT_FLAT.layout_keys()) == []
-    changed = [change.key for change in run_record.differences(saved, one_process, PIPELINE.layout_keys())]
-    assert changed == ["parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_microbatch_size"]
+    invariant = resume.compared_by(_config(*INVARIANT))
+    assert run_record.differences(saved, one_process, invariant) == []
+    assert run_record.check_resume(Path("ckpt/step-2"), saved, one_process, [], compared=invariant) == []
+    ordinary = resume.compared_by(_config())
+    changed = [change.key for change in run_record.differences(saved, one_process, ordinary)]
+    assert changed == ["parallelism.pipeline_parallel_degree"]
 
 
 def test_sample_keys_of_each_dp_column_are_its_invariant_slots() -> None:

@@ -22,7 +22,7 @@ import json
 import platform
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.checkpoint.layout import METADATA_NAME, RECORD_NAME
@@ -153,14 +153,20 @@ class Change:
                 f"{self.key} = {self.new!r} but checkpoint {checkpoint} was trained with {self.saved!r}")
 
 
-def differences(saved: dict[str, Any], current: dict[str, Any], layout_keys: Sequence[str] = ()) -> list[Change]:
-    """The trajectory keys whose resolved value differs (quiet keys and the run's ``layout_keys``, which its
-    parallel mode computes the same bits under, left out), in key order. A key only one side has (added or
-    removed by another version) is not compared: the record cannot say its old value."""
+# A run's parallel mode's view of a record's config (``section.key``: value), as it compares them: the keys that do
+# not change its bits left out, the layout as it runs (the parallel plan's ``Mode.compared``).
+Compared = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], compared: Compared | None = None) -> list[Change]:
+    """The trajectory keys whose resolved value differs (quiet keys left out; both configs seen through the run's
+    parallel mode, ``compared``, when given), in key order. A key only one side has (added or removed by another
+    version, or left out by ``compared``) is not compared: the record cannot say its old value."""
     saved_config, config = saved["config"], current["config"]
+    if compared is not None:
+        saved_config, config = compared(saved_config), compared(config)
     changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
-               if key != _DATA_KEY and not is_quiet(key) and key not in layout_keys
-               and saved_config[key] != config[key]]
+               if key != _DATA_KEY and not is_quiet(key) and saved_config[key] != config[key]]
     steps, horizon = config.get("training.steps", 0), config.get(HORIZON_KEY, 0)
     ran_past_before = saved_config.get("training.steps", 0) > saved_config.get(HORIZON_KEY, 0)
     if horizon == saved_config.get(HORIZON_KEY) and steps > horizon and not ran_past_before:
@@ -197,15 +203,15 @@ class OptIn:
 
 
 def check_resume(checkpoint: Where, saved: dict[str, Any] | None, current: dict[str, Any],
-                 allowed: Sequence[str], opt_in: OptIn = OptIn(), layout_keys: Sequence[str] = ()) -> list[str]:
+                 allowed: Sequence[str], opt_in: OptIn = OptIn(), compared: Compared | None = None) -> list[str]:
     """Warnings to print for a resume that may go on; raises ConfigDriftError for refused changes.
-    ``layout_keys``: keys that do not change this run's bits (see :func:`differences`)."""
+    ``compared``: the run's parallel mode's view of a config (see :func:`differences`)."""
     if saved is None:
         return [f"WARNING: checkpoint {checkpoint} holds no {RECORD_NAME} (saved by an older version): the config "
                 "it was trained with is unknown, so a changed key cannot be detected"]
     warnings: list[str] = []
     refused: list[str] = []
-    for change in differences(saved, current, layout_keys):
+    for change in differences(saved, current, compared):
         if change.key in NAMED:
             warnings.append(f"note: {change.describe(checkpoint)}; going on with the new value: {NAMED[change.key]}")
         elif opt_in.allows(change.key, allowed):

@@ -48,12 +48,12 @@ class Vetted:
 
 def vet(path: Where, *, layout: LayoutRule, record: dict[str, Any] | None, allowed: Sequence[str] = (),
         opt_in: run_record.OptIn = run_record.OptIn(), device: torch.device = torch.device("cpu"),
-        signing: integrity.SigningKey | None = None, layout_keys: Sequence[str] = ()) -> Vetted:
+        signing: integrity.SigningKey | None = None, compared: run_record.Compared | None = None) -> Vetted:
     """Vet ``path`` in the order above. ``record``: this run's run record (None: not compared);
     ``allowed``/``opt_in``: which changed keys become WARNINGs and how a refusal says to allow them;
     ``device``: where the ranks agree on rank 0's reading of the files; ``signing``: the key checkpoints
-    are signed with (None: not checked); ``layout_keys``: config keys the run's parallel mode gives the same bits
-    under, whatever their value (not compared)."""
+    are signed with (None: not checked); ``compared``: the run's parallel mode's view of a config, as it compares
+    them (the keys it gives the same bits under left out, its layout as it runs)."""
     path = locate(path)
     warnings = integrity.verify_signature(path, signing)
     info = inspect_checkpoint(path)
@@ -70,5 +70,5 @@ def vet(path: Where, *, layout: LayoutRule, record: dict[str, Any] | None, allow
                      (CheckpointError,))
     if record is not None:
         warnings += run_record.check_resume(path, run_record.read_record(path), record, allowed, opt_in,
-                                             layout_keys)
+                                             compared)
     return Vetted(info, reseed, warnings)

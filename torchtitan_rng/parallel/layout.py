@@ -25,6 +25,11 @@ from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.train_spec import Batch, LossFn, TrainSpec
 
 
+# The keys that say how stages run: without stages they mean nothing.
+MICROBATCH_KEY = "parallelism.pipeline_parallel_microbatch_size"
+STAGE_KEYS = ("parallelism.pipeline_parallel_schedule", MICROBATCH_KEY, "parallelism.pipeline_parallel_split_points")
+
+
 def to_device(batch: dict[str, Any], device: torch.device) -> Batch:
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
@@ -52,11 +57,22 @@ class Layout(ABC):
         """How many data shards ``world_size`` processes make (each shard's ranks read the same batches)."""
 
     @classmethod
+    @abstractmethod
+    def compared(cls, values: dict[str, Any], parallelism: Parallelism,
+                 blocks: Callable[[], int | None]) -> dict[str, Any]:
+        """A run record's config ``values`` (whose section is ``parallelism``) with its pipeline keys as this layout
+        runs them (:meth:`Mode.compared`); ``blocks()``: the model's repeated blocks (None: not known)."""
+
+    @classmethod
     def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
         """Every rank's micro-batch keys, rank-major, from each data shard's (shard-major)."""
         return per_shard
 
     # --- building ----------------------------------------------------------------------------------------
+    def describe(self, numerics: Numerics) -> str:
+        """What the run prints of its layout beyond its process count, once built ("": nothing)."""
+        return ""
+
     @property
     def data_shard(self) -> tuple[int, int]:
         """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
@@ -112,6 +128,12 @@ class FlatLayout(Layout):
     @classmethod
     def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
         return world_size
+
+    @classmethod
+    def compared(cls, values: dict[str, Any], parallelism: Parallelism,
+                 blocks: Callable[[], int | None]) -> dict[str, Any]:
+        """Without stages the stage keys mean nothing: left out."""
+        return {key: value for key, value in values.items() if key not in STAGE_KEYS}
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         config = self.config

@@ -45,6 +45,8 @@ class Numerics(ABC):
     # Whether each micro-batch's gradient is reduced at its own backward, also under a pipeline schedule (which
     # would otherwise reduce once per schedule run).
     reduces_each_micro_batch: ClassVar[bool] = False
+    # What an unset parallelism.pipeline_parallel_microbatch_size means (see :meth:`microbatch_size`).
+    microbatch_default: ClassVar[str] = "1"
 
     def __init__(self, config: JobConfig, data_shard: tuple[int, int], device: torch.device) -> None:
         self.config = config
@@ -55,6 +57,12 @@ class Numerics(ABC):
     @classmethod
     def check_stages(cls, parallelism: Parallelism, training: Training) -> None:
         """Raise ConfigError when these numerics cannot run the configured pipeline schedule (stages only)."""
+
+    @classmethod
+    def microbatch_size(cls, parallelism: Parallelism, training: Training) -> int:
+        """Samples per pipeline micro-batch: ``parallelism.pipeline_parallel_microbatch_size``, or when it is unset
+        (0) what these numerics run by default."""
+        return parallelism.pipeline_parallel_microbatch_size or 1
 
     @classmethod
     @abstractmethod

@@ -19,7 +19,7 @@ exactly only as itself: the run record holds the four keys and a resume with ano
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rng.config import ConfigError, JobConfig, Parallelism
+from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, Training
 from torchtitan_rng.distributed import World, data_parallel_degree
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.layout import Layout, to_device
@@ -40,6 +40,7 @@ from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec
 
 _KEY = "parallelism.pipeline_parallel"
 _SPLIT_PREFIX = "layers."
+_SPLIT_KEY = f"{_KEY}_split_points"
 _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")  # what activation checkpointing and compile insert
 
 
@@ -84,6 +85,19 @@ def stage_layers(parallelism: Parallelism, n_layers: int) -> list[list[int]]:
                           f"{', '.join(f'layers.{n}' for n in starts)}: every stage needs a layer (fewer stages, or "
                           f"{_KEY}_split_points below layers.{n_layers})")
     return stages
+
+
+def describe_stages(parallelism: Parallelism, training: Training, numerics: type[Numerics], dp: int,
+                    layers: list[list[int]]) -> str:
+    """The run's pipeline in one line: degrees, schedule, each stage's layers, and the micro-batch size as resolved
+    (an unset one says what it was resolved from)."""
+    size = numerics.microbatch_size(parallelism, training)
+    resolved = (f"; {_KEY}_microbatch_size unset: {numerics.microbatch_default}"
+                if not parallelism.pipeline_parallel_microbatch_size else "")
+    stages = " | ".join(",".join(map(str, stage)) for stage in layers)
+    return (f"pipeline: pp {parallelism.pipeline_parallel_degree} x dp {dp}, schedule "
+            f"{parallelism.pipeline_parallel_schedule}, {len(layers)} stages (layers {stages}); micro-batches of "
+            f"{size} sample(s), {training.local_batch_size // size} per loader batch{resolved}")
 
 
 def stages_of_rank(parallelism: Parallelism, pp_rank: int) -> list[int]:
@@ -183,6 +197,7 @@ class StagedLayout(Layout):
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
         self.stage_ids: list[int] = []  # the stages this rank runs
+        self.layers: list[list[int]] = []  # every stage's layers
         self.model_order: list[str] = []  # every trainable parameter of the whole model, by name
         self.names: list[str] = []  # this rank's trainable parameters' names in the unwrapped model
         self._run: _ScheduleRun | None = None
@@ -194,7 +209,7 @@ class StagedLayout(Layout):
         numerics.check_stages(par, training)
         numerics.check_data(training, config.data, data_parallel_degree(par, world_size),
                             "data-parallel ranks (processes / pipeline_parallel_degree)")
-        if training.local_batch_size % par.pipeline_parallel_microbatch_size:
+        if training.local_batch_size % numerics.microbatch_size(par, training):
             raise ConfigError(f"config {_KEY}_microbatch_size = {par.pipeline_parallel_microbatch_size} does not "
                               f"divide training.local_batch_size = {training.local_batch_size}; choose a divisor")
         if config.validation.enable:
@@ -214,11 +229,27 @@ class StagedLayout(Layout):
         return data_parallel_degree(parallelism, world_size)
 
     @classmethod
+    def compared(cls, values: dict[str, Any], parallelism: Parallelism,
+                 blocks: Callable[[], int | None]) -> dict[str, Any]:
+        """Split points left to split evenly: the first layers of the stages they make (the same stages named or
+        not are the same layout)."""
+        if _SPLIT_KEY not in values or parallelism.pipeline_parallel_split_points:
+            return values
+        n_layers = blocks()
+        if n_layers is None:
+            return values
+        stages = stage_layers(parallelism, n_layers)
+        return {**values, _SPLIT_KEY: [f"{_SPLIT_PREFIX}{layers[0]}" for layers in stages[1:]]}
+
+    @classmethod
     def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
         """Every rank of a dp column loads that column's batches."""
         per_rank = len(per_shard) // data_ranks
         return [keys for rank in range(world_size)
                 for keys in per_shard[(rank % data_ranks) * per_rank:(rank % data_ranks + 1) * per_rank]]
+
+    def describe(self, numerics: Numerics) -> str:
+        return describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -249,7 +280,7 @@ class StagedLayout(Layout):
             raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
                               f"pipeline split); use {_KEY}_degree 1")
         self.split = spec.pipeline
-        layers = stage_layers(self.config.parallelism, len(spec.block_lists(model)[0]))
+        self.layers = layers = stage_layers(self.config.parallelism, len(spec.block_lists(model)[0]))
         count = len(layers)
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
@@ -258,11 +289,14 @@ class StagedLayout(Layout):
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
 
+    def _splits(self, numerics: Numerics) -> int:
+        """Micro-batches a loader batch is split into: its samples over the micro-batch size."""
+        training = self.config.training
+        return training.local_batch_size // numerics.microbatch_size(self.config.parallelism, training)
+
     def _pipeline_micro_batches(self, numerics: Numerics) -> int:
         """Micro-batches of one schedule run: each loader batch it takes split by the micro-batch size."""
-        par = self.config.parallelism
-        splits = self.config.training.local_batch_size // par.pipeline_parallel_microbatch_size
-        return splits * (numerics.micro_batches_per_rank if numerics.schedule_takes_whole_step else 1)
+        return self._splits(numerics) * (numerics.micro_batches_per_rank if numerics.schedule_takes_whole_step else 1)
 
     def _build_schedule(self, modules: list[nn.Module], numerics: Numerics) -> None:
         """This rank's stages and the configured schedule over them."""
@@ -321,7 +355,7 @@ class StagedLayout(Layout):
         ask), each split as the schedule splits it (``torch.tensor_split`` along the batch)."""
         per_rank, device = numerics.micro_batches_per_rank, self.world.device
         per_run = per_rank if numerics.schedule_takes_whole_step else 1
-        splits = self.config.training.local_batch_size // self.config.parallelism.pipeline_parallel_microbatch_size
+        splits = self._splits(numerics)
         scale = numerics.loss_scale(per_rank * splits)
         numerics.begin_step(step)
         losses: list[torch.Tensor] = []

@@ -27,7 +27,7 @@ derived per micro-batch and block, the slot-order exchange, fixed kernels). Any 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -35,10 +35,10 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.config import JobConfig, Parallelism
+from torchtitan_rng.config import JobConfig, Parallelism, from_values
 from torchtitan_rng.distributed import World
 from torchtitan_rng.parallel.invariant.numerics import DerivedNumerics
-from torchtitan_rng.parallel.layout import FlatLayout, Layout
+from torchtitan_rng.parallel.layout import MICROBATCH_KEY, FlatLayout, Layout
 from torchtitan_rng.parallel.numerics import CarriedNumerics, Numerics
 from torchtitan_rng.train_spec import LossFn, TrainSpec
 
@@ -67,6 +67,21 @@ class Mode:
         """Config keys that only lay a step out over processes, this mode giving the same bits whatever their
         value: a resume may change them without a word (the run record does not compare them)."""
         return self.numerics.layout_keys()
+
+    def resolved(self, config: JobConfig) -> dict[str, Any]:
+        """The keys whose unset value (their default) this mode resolves, at the value it runs (``section.key``:
+        the run record holds these)."""
+        return {MICROBATCH_KEY: self.numerics.microbatch_size(config.parallelism, config.training)}
+
+    def compared(self, values: dict[str, Any], blocks: Callable[[], int | None]) -> dict[str, Any]:
+        """``values`` (a run record's config) as a resume in this mode compares them: without the
+        :meth:`layout_keys`, and with the pipeline keys of the layout ``values`` itself asks for as it lays the
+        model out (none without stages, where they mean nothing; the split points as the stages' first layers, of
+        the model's ``blocks()`` when they were left to split evenly), so that the layout is compared, not its
+        spelling."""
+        parallelism = from_values(values).parallelism
+        kept = {key: value for key, value in values.items() if key not in self.layout_keys()}
+        return mode_of(parallelism).layout.compared(kept, parallelism, blocks)
 
     def step_sample_keys(self, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
         """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
@@ -108,6 +123,10 @@ class ParallelPlan:
     def prepare_process(self) -> None:
         """Process-wide settings every computation of the run depends on (kernels, threads)."""
         self.numerics.prepare_process()
+
+    def describe(self) -> str:
+        """The layout in one line for the run's banner, after :meth:`wrap` ("": nothing beyond the process count)."""
+        return self.layout.describe(self.numerics)
 
     # --- building ----------------------------------------------------------------------------------------
     def wrap(self, model: nn.Module, spec: TrainSpec) -> LossFn:

@@ -65,6 +65,7 @@ class DerivedNumerics(Numerics):
     carries_streams = False
     any_process_count = True
     reduces_each_micro_batch = True
+    microbatch_default = "training.local_batch_size, this mode's micro-batch"
 
     def __init__(self, config: JobConfig, data_shard: tuple[int, int], device: torch.device) -> None:
         super().__init__(config, data_shard, device)
@@ -79,10 +80,16 @@ class DerivedNumerics(Numerics):
             raise ConfigError(f"{_FLAG}: parallelism.pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} "
                               f"{REFUSED_SCHEDULES[par.pipeline_parallel_schedule]}; use GPipe, 1F1B or "
                               "Interleaved1F1B")
-        if par.pipeline_parallel_microbatch_size != training.local_batch_size:
+        if cls.microbatch_size(par, training) != training.local_batch_size:
             raise ConfigError(f"{_FLAG}: a pipeline micro-batch is the mode's micro-batch, so "
                               f"parallelism.pipeline_parallel_microbatch_size = {par.pipeline_parallel_microbatch_size}"
-                              f" must be training.local_batch_size = {training.local_batch_size}; set it so")
+                              f" must be training.local_batch_size = {training.local_batch_size}; set it so, or leave "
+                              "it unset (0)")
+
+    @classmethod
+    def microbatch_size(cls, parallelism: Parallelism, training: Training) -> int:
+        """Unset: training.local_batch_size, the one size this mode runs."""
+        return parallelism.pipeline_parallel_microbatch_size or training.local_batch_size
 
     @classmethod
     def check_data(cls, training: Training, data: Data, data_ranks: int, ranks: str) -> None:
