@@ -113,8 +113,44 @@ def test_a_shard_degree_that_does_not_fill_the_processes_is_refused_in_one_line(
 
 
 def test_too_few_layers_for_the_stages_is_refused() -> None:
-    with pytest.raises(ConfigError, match="the model has 2 layers, too few for 4 pipeline stages"):
-        stage_layers(_pp(2, "Interleaved1F1B").parallelism, 2)
+    """Split points named: the refusal names them."""
+    with pytest.raises(ConfigError, match="^the model has 2 layers, too few for 3 pipeline stages with split points "
+                                          "layers.1, layers.2: every stage needs a layer"):
+        stage_layers(_pp(2, "Interleaved1F1B", "--parallelism.pipeline_parallel_split_points",
+                         "layers.1,layers.2").parallelism, 2)
+
+
+def test_too_few_layers_for_an_interleaved_default_names_the_schedule_and_the_fix() -> None:
+    """Interleaved1F1B on the default model, no split points given: the refusal says where the four stages come
+    from and names the model's fix (the spec's deeper flavor), which then runs; no split point is named."""
+    config = _pp(2, "Interleaved1F1B")
+    deeper = get_train_spec(config).pipeline.deeper(config, 4)
+    assert deeper == "--model.flavor debug4"
+    with pytest.raises(ConfigError) as refused:
+        stage_layers(config.parallelism, 2, deeper)
+    assert str(refused.value) == (
+        "the model has 2 layers, too few for the 4 pipeline stages parallelism.pipeline_parallel_schedule = "
+        "'Interleaved1F1B' runs over parallelism.pipeline_parallel_degree = 2 (two per rank): every stage needs a "
+        "layer; pass --model.flavor debug4, or --parallelism.pipeline_parallel_schedule 1F1B (one stage per rank)")
+    followed = _pp(2, "Interleaved1F1B", *deeper.split())
+    PIPELINE.check_config(followed, 2)
+    assert stage_layers(followed.parallelism, 4) == [[0], [1], [2], [3]]
+
+
+def test_a_model_that_does_not_split_is_refused_once_for_all_it_needs() -> None:
+    """Flux (validation on in its config) with stages: one line, the one change that runs it (pp 1), before
+    the validation refusal that pp 1 also lifts."""
+    config = parse_args(["--job.config_file", str(REPO / "train_configs" / "flux_debug.toml"),
+                         "--parallelism.pipeline_parallel_degree", "2"])
+    assert config.validation.enable
+    with pytest.raises(ConfigError) as refused:
+        PIPELINE.check_config(config, 2)
+    assert str(refused.value) == ("config parallelism.pipeline_parallel_degree = 2: model 'flux' does not split into "
+                                  "pipeline stages (its train spec has no pipeline split); run it with "
+                                  "--parallelism.pipeline_parallel_degree 1")
+    followed = parse_args(["--job.config_file", str(REPO / "train_configs" / "flux_debug.toml"),
+                           "--parallelism.pipeline_parallel_degree", "1"])
+    mode_of(followed.parallelism).check_config(followed, 1)
 
 
 class _Samples:

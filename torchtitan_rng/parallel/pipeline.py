@@ -36,7 +36,7 @@ from torchtitan_rng.distributed import World, data_parallel_degree
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.layout import Layout, to_device
 from torchtitan_rng.parallel.numerics import Numerics
-from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec
+from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec, registered_specs
 
 _KEY = "parallelism.pipeline_parallel"
 _SPLIT_PREFIX = "layers."
@@ -71,19 +71,31 @@ def split_starts(parallelism: Parallelism) -> list[int]:
     return starts
 
 
-def stage_layers(parallelism: Parallelism, n_layers: int) -> list[list[int]]:
-    """The layer indices of every stage: at the split points, or as even as they go (earlier stages one more)."""
+def stage_layers(parallelism: Parallelism, n_layers: int, deeper: str = "") -> list[list[int]]:
+    """The layer indices of every stage: at the split points, or as even as they go (earlier stages one more).
+    ``deeper``: the overrides that give the model enough layers (the model's :class:`PipelineSplit` says), for
+    the refusal of too many stages."""
     count = stage_count(parallelism)
-    starts = split_starts(parallelism)
+    named = split_starts(parallelism)
+    starts = named
     if not starts:
         per, extra = divmod(n_layers, count)
         starts = [sum(per + (s < extra) for s in range(stage)) for stage in range(1, count)]
     bounds = [0, *starts, n_layers]
     stages = [list(range(bounds[s], bounds[s + 1])) for s in range(count)]
-    if any(not layers for layers in stages):
+    if any(not layers for layers in stages) and named:
         raise ConfigError(f"the model has {n_layers} layers, too few for {count} pipeline stages with split points "
                           f"{', '.join(f'layers.{n}' for n in starts)}: every stage needs a layer (fewer stages, or "
                           f"{_KEY}_split_points below layers.{n_layers})")
+    if any(not layers for layers in stages):
+        schedule, pp = parallelism.pipeline_parallel_schedule, parallelism.pipeline_parallel_degree
+        multi = _multi_stage(schedule)
+        fewer = (f"--{_KEY}_schedule 1F1B (one stage per rank)" if multi
+                 else f"--{_KEY}_degree {n_layers} (or fewer stages)")
+        raise ConfigError(f"the model has {n_layers} layers, too few for the {count} pipeline stages "
+                          f"{_KEY}_schedule = {schedule!r} runs over {_KEY}_degree = {pp} "
+                          f"({'two' if multi else 'one'} per rank): every stage needs a layer; pass "
+                          f"{deeper or f'a model with {count} or more layers'}, or {fewer}")
     return stages
 
 
@@ -98,6 +110,11 @@ def describe_stages(parallelism: Parallelism, training: Training, numerics: type
     return (f"pipeline: pp {parallelism.pipeline_parallel_degree} x dp {dp}, schedule "
             f"{parallelism.pipeline_parallel_schedule}, {len(layers)} stages (layers {stages}); micro-batches of "
             f"{size} sample(s), {training.local_batch_size // size} per loader batch{resolved}")
+
+
+def _does_not_split(model: str, pp: int) -> str:
+    return (f"config {_KEY}_degree = {pp}: model {model!r} does not split into pipeline stages (its train spec has "
+            f"no pipeline split); run it with --{_KEY}_degree 1")
 
 
 def stages_of_rank(parallelism: Parallelism, pp_rank: int) -> list[int]:
@@ -206,6 +223,9 @@ class StagedLayout(Layout):
     def check_config(cls, config: JobConfig, world_size: int, numerics: type[Numerics]) -> None:
         par, training = config.parallelism, config.training
         pp = par.pipeline_parallel_degree
+        spec = registered_specs().get(config.model.name)  # first: a model that does not split needs nothing else
+        if spec is not None and spec.pipeline is None:
+            raise ConfigError(_does_not_split(spec.name, pp))
         numerics.check_stages(par, training)
         numerics.check_data(training, config.data, data_parallel_degree(par, world_size),
                             "data-parallel ranks (processes / pipeline_parallel_degree)")
@@ -277,10 +297,11 @@ class StagedLayout(Layout):
     def _split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
         """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
         if spec.pipeline is None or spec.block_lists is None:
-            raise ConfigError(f"model {spec.name!r} does not split into pipeline stages (its train spec has no "
-                              f"pipeline split); use {_KEY}_degree 1")
+            raise ConfigError(_does_not_split(spec.name, self.pp))
         self.split = spec.pipeline
-        self.layers = layers = stage_layers(self.config.parallelism, len(spec.block_lists(model)[0]))
+        parallelism = self.config.parallelism
+        deeper = self.split.deeper(self.config, stage_count(parallelism)) if self.split.deeper else ""
+        self.layers = layers = stage_layers(parallelism, len(spec.block_lists(model)[0]), deeper)
         count = len(layers)
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,

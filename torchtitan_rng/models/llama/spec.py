@@ -26,6 +26,12 @@ def build_llama(config: JobConfig) -> Llama:
     return Llama(replace(args, vocab_size=vocab_size(config.training.dataset_path, config.model.vocab_size)))
 
 
+def deeper_flavor(config: JobConfig, layers: int) -> str:
+    """The smallest flavor with at least ``layers`` blocks, as an override ("": none has that many)."""
+    deep = sorted((args.n_layers, args.dim, name) for name, args in FLAVORS.items() if args.n_layers >= layers)
+    return f"--model.flavor {deep[0][2]}" if deep else ""
+
+
 def llama_loss(model: nn.Module, batch: Batch, training: Training) -> torch.Tensor:
     return next_token_loss(model(batch["input"]), batch["labels"])
 
@@ -51,6 +57,6 @@ register_train_spec(
         throughput_unit="tokens",
         block_lists=lambda model: [model.layers],
         pipeline=PipelineSplit(prune=prune_to_stages, stage=LlamaStage, loss=next_token_loss, input_key="input",
-                               target_key="labels"),
+                               target_key="labels", deeper=deeper_flavor),
     )
 )
