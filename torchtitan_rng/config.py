@@ -189,7 +189,7 @@ class Metrics:
     log_freq: int = _key(10, "every N steps: the progress line and a loss-log write, when the host reads the "
                          "steps' values (also at every checkpoint, a stop and the last step)")
     log_samples: bool = _key(False, "write the sample keys of every micro-batch into each loss-log line (\"samples\", "
-                             "rank-major), gathered at the log's sync points (docs/spikes.md)")
+                             "in slot order), gathered at the log's sync points (docs/spikes.md)")
 
 
 @dataclass
@@ -206,8 +206,8 @@ class Parallelism:
                                            "order of dropout draws and of gradient sums)",
                                            choices=PIPELINE_SCHEDULES)
     pipeline_parallel_microbatch_size: int = _key(0, "samples per pipeline micro-batch; it divides "
-                                                  "training.local_batch_size; 0: 1, and in the world-size-invariant "
-                                                  "mode training.local_batch_size (the only size it runs)")
+                                                  "training.local_batch_size; 0: 1, or training.local_batch_size with "
+                                                  "parallelism.world_size_invariant (the only size that mode runs)")
     pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
                                                      "stages); empty: layers split evenly")
 

@@ -6,8 +6,8 @@ The replay command starts it, with the replay's whole config as flags: on one pr
 the package's launcher (torchrun). Each rank trains as the trainer does (``training.steps`` is the observed
 step); hooks on the plan and the step note, for that step, each micro-batch's loss and gradient (of its own loss,
 per block), the step's gradient per block and the norm of its update. The ranks gather their micro-batches at the
-end of the step and rank 0 writes them, rank-major as the loss log's samples, into :data:`REPORT_NAME` in the
-dump folder. The observation changes no bit of the step (see :func:`observe`).
+end of the step and rank 0 writes them, in the loss log's order of samples (the plan's slot order), into
+:data:`REPORT_NAME` in the dump folder. The observation changes no bit of the step (see :func:`observe`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ from torchtitan_rng.config import JobConfig, Training, parse_args
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.launch import orphans
 from torchtitan_rng.train_spec import Batch, LossFn
+
+if TYPE_CHECKING:
+    from torchtitan_rng.parallel import ParallelPlan
 
 REPORT_NAME = "replay_report.json"
 
@@ -62,7 +65,7 @@ def total_norm(norms: dict[str, float]) -> float:
 
 @dataclass
 class StepReport:
-    """What a replay saw of its target step: per micro-batch (rank-major) its loss, the norms of the gradient of
+    """What a replay saw of its target step: per micro-batch (in slot order) its loss, the norms of the gradient of
     its own loss per block and where its samples are in the loss log's ``samples`` (the loader batch's index
     there, and which of how many equal parts of it: pipeline stages split a loader batch into micro-batches),
     the step's gradient per block before clipping, and the norm of its update."""
@@ -122,7 +125,7 @@ def observe(trainer: Any, step: int) -> StepReport:
         if before:
             changes = [(name, p.detach() - old) for (name, p), old in zip(named, before)]
             seen.update_norm = total_norm(block_norms(changes, sharded))
-            _place_micro_batches(seen, trainer.world.rank, trainer.plan.micro_batches_per_rank)
+            _place_micro_batches(seen, trainer.plan)
             _gather_micro_batches(seen, trainer.world.world_size)
         return record
 
@@ -130,25 +133,29 @@ def observe(trainer: Any, step: int) -> StepReport:
     return seen
 
 
-def _place_micro_batches(seen: StepReport, rank: int, loader_batches: int) -> None:
-    """Where this rank's micro-batches are in the loss log's samples: rank ``rank``'s ``loader_batches`` loader
-    batches are entries ``rank * loader_batches ...``, each split into the same number of micro-batches, in order
-    (a rank that computes no loss, a pipeline stage before the last, has none)."""
+def _place_micro_batches(seen: StepReport, plan: ParallelPlan) -> None:
+    """Where this rank's micro-batches are in the loss log's samples: its data shard's loader batch ``i`` is entry
+    ``plan.slot(shard, i)``, each split into the same number of micro-batches, in order (a rank that computes no
+    loss, a pipeline stage before the last, has none)."""
+    loader_batches, shard = plan.micro_batches_per_rank, plan.data_shard[0]
     parts, left = divmod(len(seen.losses), loader_batches)
     assert not left, f"{len(seen.losses)} micro-batch losses from {loader_batches} loader batches"
-    seen.micro_batch_samples = [(rank * loader_batches + i // parts, i % parts, parts)
-                                for i in range(len(seen.losses))]
+    seen.micro_batch_samples = [(plan.slot(shard, i // parts), i % parts, parts) for i in range(len(seen.losses))]
 
 
 def _gather_micro_batches(seen: StepReport, world_size: int) -> None:
-    """Every rank's micro-batches into every rank's report, rank-major (the loss log's order of samples)."""
-    if world_size == 1:
-        return
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (seen.losses, seen.micro_batch_grads, seen.micro_batch_samples))
-    seen.losses = [loss for losses, _, _ in gathered for loss in losses]
-    seen.micro_batch_grads = [grads for _, per_rank, _ in gathered for grads in per_rank]
-    seen.micro_batch_samples = [where for _, _, per_rank in gathered for where in per_rank]
+    """Every rank's micro-batches into every rank's report, in the loss log's order of samples (by entry, then
+    part)."""
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (seen.losses, seen.micro_batch_grads, seen.micro_batch_samples))
+        seen.losses = [loss for losses, _, _ in gathered for loss in losses]
+        seen.micro_batch_grads = [grads for _, per_rank, _ in gathered for grads in per_rank]
+        seen.micro_batch_samples = [where for _, _, per_rank in gathered for where in per_rank]
+    order = sorted(range(len(seen.losses)), key=lambda i: seen.micro_batch_samples[i])
+    seen.losses = [seen.losses[i] for i in order]
+    seen.micro_batch_grads = [seen.micro_batch_grads[i] for i in order]
+    seen.micro_batch_samples = [seen.micro_batch_samples[i] for i in order]
 
 
 def replay_step(config: JobConfig) -> None:

@@ -4,7 +4,8 @@ Nothing is trained or loaded but JSON, checkpoint metadata and (for token offset
 run's order is a function of its seed, epoch and position (``data/sampler.py`` ``epoch_order``), so the keys of
 every micro-batch of a step follow from the config its checkpoints record (``run.json``), the number of samples
 per epoch (recorded with the data) and, in the ordinary mode, the process count that saved them. The output is
-what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-batch, rank-major; a key is
+what ``metrics.log_samples`` writes in the loss log: one list of keys per micro-batch, in slot order (the one
+numbering of micro-batches, also ``replay``'s: shard-major, in the world-size-invariant mode the mode's slot); a key is
 ``epoch * samples_per_epoch + index``. When the data is a file of tokens (``training.dataset_path``: ``.bin``,
 ``.jsonl``, text), each key is printed with the offset of the sample's first token in it (``KEY@OFFSET``), also a
 function of the seed and the key.
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         offsets = {"token_offsets": [[offset_of(key) for key in batch] for batch in keys]} if offset_of else {}
         print(json.dumps({"step": args.step, "samples": keys, **offsets}))
         return 0
-    print(f"step {args.step} of {args.run}: {len(keys)} micro-batch(es) of {len(keys[0])} samples, rank-major over "
-          f"{world_size} process(es) (key = epoch * {num_samples} + index)")
+    print(f"step {args.step} of {args.run}: {len(keys)} micro-batch(es) of {len(keys[0])} samples, in slot order, "
+          f"trained on {world_size} process(es) (key = epoch * {num_samples} + index)")
     if offset_of is not None:
         print(f"KEY@OFFSET: the sample's first token is token OFFSET of {config.training.dataset_path}")
     for number, batch in enumerate(keys):

@@ -163,7 +163,8 @@ class Trainer:
             self._log(f"stopped by {signals.received() or 'a signal to another rank'} during start-up, before step "
                       f"{train_state.step + 1}: nothing new to save; {preflight.how_to_resume(config.checkpoint)}")
             return
-        samples = SampleLog(world.rank, world.world_size) if config.metrics.log_samples else None
+        samples = (SampleLog(world.rank, world.world_size, self.plan.data_shard[0], self.plan.slot)
+                   if config.metrics.log_samples else None)
         batches = samples.batches(data_iter) if samples is not None else data_iter
         if self.tensor_prints is not None:  # hashes each batch as the plan takes it
             batches = self.tensor_prints.batches(batches)

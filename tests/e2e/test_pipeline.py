@@ -77,7 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         train(dumps["control"], *STEPS, *LAYOUTS["1F1B"], "--checkpoint.enable", nproc=2)
 
     def one_f_one_b() -> None:
-        train(dumps["1F1B"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2)
+        train(dumps["1F1B"], *STEPS, *CKPT, *LAYOUTS["1F1B"], "--metrics.log_samples", nproc=2)
         together(control, lambda: _resume_from_step_2(dumps["1F1B"], dumps["1F1B_resumed"], "1F1B"),
                  lambda: outputs.setdefault("replay", launch(
                      [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["1F1B"]), "--step", "4",
@@ -162,7 +162,8 @@ def test_interleaved_verify_resume_passes(runs: dict) -> None:
 
 def test_replay_of_a_pipelined_step_lists_its_micro_batches(runs: dict) -> None:
     """Step 4 of the 1F1B run replayed on 2 processes from its step 2: the last stage's two micro-batches of 4
-    samples (the halves of the step's batch), whose mean loss is the logged loss bit for bit, and the verdict."""
+    samples (the halves of the step's batch), whose mean loss is the logged loss bit for bit, and the verdict.
+    The step's batch is listed once (both stages load it) by the run's log, ``samples`` and the replay alike."""
     proc: subprocess.CompletedProcess = runs["replay"]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     logged = read_loss_log(runs["1F1B"])[4]
@@ -171,7 +172,7 @@ def test_replay_of_a_pipelined_step_lists_its_micro_batches(runs: dict) -> None:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("micro-batch ")]
     assert [line.split(":")[0] for line in lines] == ["micro-batch 0", "micro-batch 1"], proc.stdout
     keys = [[int(key) for key in line.split("samples ")[1].split()] for line in lines]
-    first_stage, last_stage = samples.step_samples(runs["1F1B"], 4)[0]  # each stage loads the step's batch
-    assert first_stage == last_stage and keys == [last_stage[:4], last_stage[4:]]
+    (batch,) = samples.step_samples(runs["1F1B"], 4)[0]
+    assert logged["samples"] == [batch] and keys == [batch[:4], batch[4:]]
     losses = torch.tensor([float(line.split()[3]) for line in lines])
     assert float_bits(float(losses.mean())) == float_bits(logged["loss"])

@@ -21,6 +21,7 @@ import pytest
 
 from tests.support.checks import assert_every_line_matches
 from tests.support.launch import compare, launch, together, train
+from torchtitan_rng import samples
 from torchtitan_rng.loss_log import read_loss_log
 
 STEPS, STOP = 4, 2
@@ -42,7 +43,8 @@ LAYOUTS = {
     "GPipe": (_pp2("GPipe"), 2),
     "1F1B_recomputed": ((*_pp2("1F1B"), "--activation_checkpoint.mode", "full"), 2),
     "Interleaved1F1B": (_pp2("Interleaved1F1B"), 2),
-    "pp2_dp2": ((*_pp2("1F1B"), "--checkpoint.enable", "--checkpoint.interval", str(STOP)), 4),
+    "pp2_dp2": ((*_pp2("1F1B"), "--checkpoint.enable", "--checkpoint.interval", str(STOP), "--metrics.log_samples"),
+                4),
 }
 # The control: the ordinary mode on the same 8 samples per step (one batch, no accumulation), two steps.
 ORDINARY = (*COMMON[:2], "--training.steps", "2", "--lr_scheduler.total_steps", "2")
@@ -98,9 +100,15 @@ def test_pp2_dp2_checkpoint_replayed_on_one_process_without_stages(runs: dict[st
 
 
 def test_replay_tool_replays_a_pipelined_step_on_one_process(runs: dict[str, Path]) -> None:
+    """The step's four micro-batches are numbered alike by the pp 2 x dp 2 run's log, ``samples`` and the replay
+    on one process: in slot order (the dp columns run slots 0, 2 and 1, 3), each once (both stages load them)."""
     returncode, out, err = json.loads((runs["replay"].parent / "replay_tool.json").read_text())
     assert returncode == 0, out + err
     assert f"step {STOP + 1}: loss" in out and "equal to the run's loss log bit for bit" in out, out
+    printed = [[int(key) for key in line.split("samples ")[1].split()] for line in out.splitlines()
+               if line.startswith("micro-batch ")]
+    logged = read_loss_log(runs["pp2_dp2"])[STOP + 1]["samples"]
+    assert len(printed) == 4 and printed == logged == samples.step_samples(runs["pp2_dp2"], STOP + 1)[0], out
 
 
 def test_control_ordinary_mode_differs_across_layouts_from_the_first_step(runs: dict[str, Path]) -> None:

@@ -125,6 +125,13 @@ def test_a_skip_at_launch_at_a_resume_or_by_the_guard_is_the_same_run(runs: dict
     assert compare(runs[a], _with_line(runs[b] / "loss_log.jsonl", tampered)).returncode == 1
 
 
+def test_a_pipelined_run_logs_each_loader_batch_once(runs: dict[str, Path]) -> None:
+    """Both stages load each of a step's two loader batches of 8: the log lists them once, 16 samples a step."""
+    for step, record in read_loss_log(runs["pipeline_launch"]).items():
+        assert [len(keys) for keys in record["samples"]] == [8, 8], step
+        assert len({key for keys in record["samples"] for key in keys}) == 16, step
+
+
 def _with_line(log: Path, line: dict) -> Path:
     """A copy of the loss log ``log`` with ``line`` appended (the later line of a step counts)."""
     copy = log.with_name("tampered.jsonl")

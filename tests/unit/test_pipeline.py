@@ -27,6 +27,7 @@ from torchtitan_rng.parallel import Mode, mode_of
 from torchtitan_rng.parallel.layout import FlatLayout
 from torchtitan_rng.parallel.numerics import CarriedNumerics
 from torchtitan_rng.parallel.pipeline import StagedLayout, stage_layers, stages_of_rank
+from torchtitan_rng.sample_log import in_slot_order
 
 CONFIG = str(REPO / "train_configs" / "llama_debug.toml")
 
@@ -247,8 +248,19 @@ def test_another_process_count_is_refused_even_with_reseed(tmp_path: Path) -> No
     assert PIPELINE.check_checkpoint(info, 4, "reseed") is False
 
 
-def test_sample_keys_are_those_of_each_ranks_data_parallel_column() -> None:
-    """pp 2 x dp 2: ranks 0 and 2 (dp rank 0) load what dp rank 0 of two processes would, ranks 1 and 3 dp 1's."""
+def test_sample_keys_are_those_of_each_data_parallel_column_once() -> None:
+    """pp 2 x dp 2: column 0 (ranks 0 and 2) loads what rank 0 of two processes without stages would, column 1
+    (ranks 1 and 3) rank 1's; each column's batches are listed once, not once per stage."""
     config = _pp(2, "1F1B")
-    column = DATA_PARALLEL.step_sample_keys(config, 64, 2, 3)
-    assert PIPELINE.step_sample_keys(config, 64, 4, 3) == [column[0], column[1], column[0], column[1]]
+    assert PIPELINE.step_sample_keys(config, 64, 4, 3) == DATA_PARALLEL.step_sample_keys(config, 64, 2, 3)
+    assert len(PIPELINE.step_sample_keys(config, 64, 4, 3)) == 2
+
+
+def test_the_log_lists_each_data_shards_batches_once_in_slot_order() -> None:
+    """What rank 0 writes from the four ranks of pp 2 x dp 2 (rank = pp_rank x dp + dp_rank; both stages of a
+    column load the same batches), two loader batches each: one entry per batch of the step, by the plan's slot:
+    shard-major in the ordinary mode, the mode's round-robin slot in the invariant one."""
+    columns = {0: [[0, 1], [2, 3]], 1: [[4, 5], [6, 7]]}
+    loaded = [(rank % 2, columns[rank % 2]) for rank in range(4)]
+    assert in_slot_order(loaded, lambda shard, index: shard * 2 + index) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert in_slot_order(loaded, lambda shard, index: index * 2 + shard) == [[0, 1], [4, 5], [2, 3], [6, 7]]

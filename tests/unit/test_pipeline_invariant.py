@@ -102,12 +102,16 @@ def test_a_layout_change_at_resume_is_quiet_in_the_invariant_mode_only() -> None
     assert changed == ["parallelism.pipeline_parallel_degree"]
 
 
-def test_sample_keys_of_each_dp_column_are_its_invariant_slots() -> None:
-    """pp 2 x dp 2: ranks 0 and 2 (column 0) load slots 0 and 2, ranks 1 and 3 slots 1 and 3, as the two ranks
-    of the invariant mode without stages do."""
+def test_sample_keys_of_a_step_are_its_slots_at_any_layout() -> None:
+    """pp 2 x dp 2, two processes without stages and one: the step's four micro-batches by slot, each once (column
+    0 runs slots 0 and 2, column 1 slots 1 and 3, and the plan numbers them so)."""
     config = _pp2()
-    two = INVARIANT_FLAT.step_sample_keys(config, 64, 2, 3)  # rank 0's two slots, then rank 1's
-    assert INVARIANT_PIPELINE.step_sample_keys(config, 64, 4, 3) == [*two[:2], *two[2:], *two[:2], *two[2:]]
+    one = INVARIANT_FLAT.step_sample_keys(config, 64, 1, 3)
+    assert len(one) == 4 and len({tuple(keys) for keys in one}) == 4
+    assert INVARIANT_PIPELINE.step_sample_keys(config, 64, 4, 3) == INVARIANT_FLAT.step_sample_keys(config, 64, 2, 3) \
+        == one
+    numerics = DerivedNumerics(config, (0, 2), torch.device("cpu"))
+    assert [numerics.slot(shard, index) for shard in (0, 1) for index in (0, 1)] == [0, 2, 1, 3]
 
 
 def _bits(tensor: torch.Tensor) -> list[int]:

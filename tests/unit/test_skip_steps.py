@@ -68,17 +68,23 @@ def test_a_skip_added_for_a_trained_step_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("invariant", [False, True])
 def test_step_sample_keys_follow_the_samplers_of_every_rank(invariant: bool) -> None:
     """What ``python -m torchtitan_rng.samples`` computes for 2 processes, 2 micro-batches each, 3 samples per
-    micro-batch over 10 samples per epoch (batches span epochs), is what each rank's own sampler hands out."""
+    micro-batch over 10 samples per epoch (batches span epochs), is what each rank's own sampler hands out, placed
+    by the plan's slot (as the loss log places them)."""
+    import torch
+
     from torchtitan_rng.data.global_sampler import GlobalBatchSampler
     from torchtitan_rng.data.sampler import ResumableBatchSampler
     from torchtitan_rng.parallel import mode_of
+    from torchtitan_rng.sample_log import in_slot_order
 
     flags = ["--training.local_batch_size", "3", "--training.global_batch_size", "12", "--debug.seed", "7"]
     config = parse_args([*flags, *(["--parallelism.world_size_invariant"] if invariant else [])])
     samplers = [GlobalBatchSampler(10, 3, 4, rank, 2, 7) if invariant else ResumableBatchSampler(10, 3, rank, 2, 7)
                 for rank in range(2)]
+    slot = mode_of(config.parallelism).numerics(config, (0, 2), torch.device("cpu")).slot
     for step in range(1, 9):
-        loaded = [next(sampler) for sampler in samplers for _ in range(2)]
+        loaded = in_slot_order([(rank, [next(sampler) for _ in range(2)]) for rank, sampler in enumerate(samplers)],
+                               slot)
         assert mode_of(config.parallelism).step_sample_keys(config, 10, 2, step) == loaded, step
     # Control: another seed orders them otherwise.
     other = parse_args([*flags[:-1], "8", *(["--parallelism.world_size_invariant"] if invariant else [])])

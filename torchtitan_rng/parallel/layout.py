@@ -63,11 +63,6 @@ class Layout(ABC):
         """A run record's config ``values`` (whose section is ``parallelism``) with its pipeline keys as this layout
         runs them (:meth:`Mode.compared`); ``blocks()``: the model's repeated blocks (None: not known)."""
 
-    @classmethod
-    def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
-        """Every rank's micro-batch keys, rank-major, from each data shard's (shard-major)."""
-        return per_shard
-
     # --- building ----------------------------------------------------------------------------------------
     def describe(self, numerics: Numerics) -> str:
         """What the run prints of its layout beyond its process count, once built ("": nothing)."""

@@ -83,7 +83,7 @@ class Numerics(ABC):
     @classmethod
     @abstractmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, data_ranks: int, step: int) -> list[list[int]]:
-        """The keys of each micro-batch of ``step`` of each of ``data_ranks`` data shards, shard-major."""
+        """The keys of each micro-batch of ``step`` over ``data_ranks`` data shards, in slot order (:meth:`slot`)."""
 
     # --- the process and the model ---------------------------------------------------------------------------
     @abstractmethod
@@ -119,6 +119,10 @@ class Numerics(ABC):
     @abstractmethod
     def batch_sampler(self, dataset: Dataset) -> Any:
         """As :meth:`ParallelPlan.batch_sampler`."""
+
+    @abstractmethod
+    def slot(self, shard: int, index: int) -> int:
+        """As :meth:`ParallelPlan.slot`."""
 
     @abstractmethod
     def record_parts(self) -> dict[str, Stateful]:
@@ -207,7 +211,7 @@ class CarriedNumerics(Numerics):
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, data_ranks: int, step: int) -> list[list[int]]:
         """Each shard's sampler stands where ``step - 1`` steps of ``accumulation`` batches left it (per-shard
-        positions run on across epochs, as in :class:`ResumableBatchSampler`)."""
+        positions run on across epochs, as in :class:`ResumableBatchSampler`); shard-major, the slot order."""
         training = config.training
         accumulation, batch_size = gradient_accumulation_steps(training, data_ranks), training.local_batch_size
         keys: list[list[int]] = []
@@ -239,6 +243,10 @@ class CarriedNumerics(Numerics):
 
     def batch_sampler(self, dataset: Dataset) -> None:
         return None
+
+    def slot(self, shard: int, index: int) -> int:
+        """Shard-major: each shard's loader batches one after the other."""
+        return shard * self.micro_batches_per_rank + index
 
     def record_parts(self) -> dict[str, Stateful]:
         return {}

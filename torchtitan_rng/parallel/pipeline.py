@@ -261,13 +261,6 @@ class StagedLayout(Layout):
         stages = stage_layers(parallelism, n_layers)
         return {**values, _SPLIT_KEY: [f"{_SPLIT_PREFIX}{layers[0]}" for layers in stages[1:]]}
 
-    @classmethod
-    def rank_major(cls, per_shard: list[list[int]], data_ranks: int, world_size: int) -> list[list[int]]:
-        """Every rank of a dp column loads that column's batches."""
-        per_rank = len(per_shard) // data_ranks
-        return [keys for rank in range(world_size)
-                for keys in per_shard[(rank % data_ranks) * per_rank:(rank % data_ranks + 1) * per_rank]]
-
     def describe(self, numerics: Numerics) -> str:
         return describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
 

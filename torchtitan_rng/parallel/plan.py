@@ -7,8 +7,9 @@ diagnosis ask the plan (or, before any process starts, its :class:`Mode`). A pla
 * what a process must fix before it computes (kernels, threads: :meth:`ParallelPlan.prepare_process`);
 * how parameters are wrapped (activation checkpointing, compile, sharding, stages) and the compute context
   (:meth:`ParallelPlan.wrap`);
-* which micro-batches a rank runs (:meth:`ParallelPlan.batch_sampler`, :attr:`ParallelPlan.micro_batches_per_rank`)
-  and how many samples a step takes (:attr:`ParallelPlan.samples_per_step`);
+* which micro-batches a rank runs (:meth:`ParallelPlan.batch_sampler`, :attr:`ParallelPlan.micro_batches_per_rank`),
+  their numbering in the step (:meth:`ParallelPlan.slot`) and how many samples a step takes
+  (:attr:`ParallelPlan.samples_per_step`);
 * how a step's gradients are reduced and what loss it reports (:meth:`ParallelPlan.forward_backward`), and the norm
   they are clipped by (:meth:`ParallelPlan.clip_grad_norm`);
 * which ranks read the same batches (:attr:`ParallelPlan.data_shard`);
@@ -85,11 +86,10 @@ class Mode:
 
     def step_sample_keys(self, config: JobConfig, num_samples: int, world_size: int, step: int) -> list[list[int]]:
         """The sample keys of each micro-batch of ``step`` of a map-style run of ``world_size`` processes over
-        ``num_samples`` samples per epoch, rank-major (as ``metrics.log_samples`` writes them), from the config
-        alone."""
+        ``num_samples`` samples per epoch, in slot order (:meth:`ParallelPlan.slot`, as ``metrics.log_samples``
+        writes them), from the config alone."""
         shards = self.layout.data_ranks(config.parallelism, world_size)
-        per_shard = self.numerics.step_sample_keys(config, num_samples, shards, step)
-        return self.layout.rank_major(per_shard, shards, world_size)
+        return self.numerics.step_sample_keys(config, num_samples, shards, step)
 
     @property
     def any_process_count(self) -> bool:
@@ -143,6 +143,14 @@ class ParallelPlan:
     def samples_per_step(self) -> int:
         """Samples one optimizer step trains on, over all ranks."""
         return self.numerics.samples_per_step
+
+    def slot(self, shard: int, index: int) -> int:
+        """The number of data shard ``shard``'s loader batch ``index`` of a step among the step's loader batches: the
+        one numbering of micro-batches of the loss log's samples, ``samples`` and ``replay``. Shard-major in the
+        ordinary mode; in the world-size-invariant mode the slot the mode deals it (round by round over the shards),
+        the same at any process count. The ranks of one shard (a pipeline's stages) load the same batches: they
+        have one number."""
+        return self.numerics.slot(shard, index)
 
     def batch_sampler(self, dataset: Dataset) -> Any:
         """The batch sampler of this rank's loader; None: the loader's own per-rank sampler. Raises ConfigError

@@ -109,12 +109,11 @@ class DerivedNumerics(Numerics):
 
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, data_ranks: int, step: int) -> list[list[int]]:
-        """Shard-major: shard c's slots c, c + W, ... (``step.Slots``); the same micro-batches at any count."""
+        """By slot: the same micro-batches in the same order at any count (shard c runs slots c, c + W, ...)."""
         micro_batches = setup.check_batch_layout(config.training, config.data, data_ranks)
         sampler = GlobalBatchSampler(num_samples, config.training.local_batch_size, micro_batches, 0, 1,
                                      config.debug.seed)
-        return [sampler.keys_of(step - 1, slot) for rank in range(data_ranks)
-                for slot in range(rank, micro_batches, data_ranks)]
+        return [sampler.keys_of(step - 1, slot) for slot in range(micro_batches)]
 
     def prepare_process(self) -> None:
         setup.use_fixed_kernels()
@@ -144,6 +143,10 @@ class DerivedNumerics(Numerics):
     @property
     def samples_per_step(self) -> int:
         return self.config.training.global_batch_size
+
+    def slot(self, shard: int, index: int) -> int:
+        """Round ``index`` of shard ``shard`` (``step.Slots``)."""
+        return index * self.data_ranks + shard
 
     def batch_sampler(self, dataset: Dataset) -> GlobalBatchSampler:
         config, slots = self.config, setup.plan_slots(self.config.training, self.config.data, self.data_rank,
