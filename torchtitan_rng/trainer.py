@@ -130,8 +130,9 @@ class Trainer:
             self._log(config.job.description)
         self._log(f"model {config.model.name} ({config.model.flavor}): {self.parts.param_count:,} parameters, "
                   f"{trainable:,} trainable; {self.world.world_size} process(es) on {self.world.device.type}")
-        if self.plan.describe():
-            self._log(self.plan.describe())
+        layout = self.plan.describe()
+        if layout:
+            self._log(layout)
         self._log(f"dump folder {self.dump_folder}")
         if ckpt.enable:
             mode = ", async" if ckpt.async_mode == "async" else ""
