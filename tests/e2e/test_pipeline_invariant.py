@@ -32,15 +32,16 @@ INVARIANT = (*COMMON, "--parallelism.world_size_invariant", "--training.local_ba
              "--training.global_batch_size", "8")
 
 
-def _pp2(schedule: str) -> tuple[str, ...]:
-    return ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
-            "--parallelism.pipeline_parallel_schedule", schedule)
+def _pp2(schedule: str, microbatch_size: str = "2") -> tuple[str, ...]:
+    size = ("--parallelism.pipeline_parallel_microbatch_size", microbatch_size) if microbatch_size else ()
+    return ("--parallelism.pipeline_parallel_degree", "2", *size, "--parallelism.pipeline_parallel_schedule", schedule)
 
 
-# name: (overrides, processes); all invariant, compared with "pp1".
+# name: (overrides, processes); all invariant, compared with "pp1". GPipe leaves the micro-batch size unset: the
+# mode runs its own (training.local_batch_size).
 LAYOUTS = {
     "pp1": ((), 1),
-    "GPipe": (_pp2("GPipe"), 2),
+    "GPipe": (_pp2("GPipe", microbatch_size=""), 2),
     "1F1B_recomputed": ((*_pp2("1F1B"), "--activation_checkpoint.mode", "full"), 2),
     "Interleaved1F1B": (_pp2("Interleaved1F1B"), 2),
     "pp2_dp2": ((*_pp2("1F1B"), "--checkpoint.enable", "--checkpoint.interval", str(STOP), "--metrics.log_samples"),
