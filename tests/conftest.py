@@ -34,19 +34,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             # pytest-xdist (--dist loadgroup) keeps the tests that share a module's runs on one worker, which
             # makes those runs once; the other tests go to whichever worker is free.
             item.add_marker(pytest.mark.xdist_group(item.path.name))
-            _keep_group_in_id(item)
     rank = {name: index for index, name in enumerate(START_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
-def _keep_group_in_id(item: pytest.Item) -> None:
-    """pytest-xdist's scheduler reads a test's group from its id (``...@group``), which its worker writes into
-    ``item._nodeid``; pytest 9 keeps the id in ``item._id`` instead, so that write is lost, each test goes to any
-    worker, and every worker that gets one makes the module's runs again. On a worker of ``--dist loadgroup``
-    the group is written where this pytest keeps the id."""
-    if (getattr(item.config, "workerinput", None) is not None and getattr(item.config.option, "loadgroup", False)
-            and hasattr(item, "_id") and "@" not in item.nodeid.rpartition("]")[2]):
-        item._id = type(item._id).parse(f"{item.nodeid}@{item.path.name}")
 
 
 def _uses_module_runs(item: pytest.Item) -> bool:
