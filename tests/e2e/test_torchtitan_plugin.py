@@ -190,16 +190,26 @@ def _signalled_run(assets: Path, dump: Path, *extra: str) -> subprocess.Complete
 def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
     """The llama runs (2 processes, FSDP2): the plug-in uninterrupted (``full``), and stopped at the end of
     ``--training.steps 2`` then resumed to 4 (``stopped``); the stopped run's checkpoint resumed by the plug-in
-    restoring inside the load (``at_load``), by stock torchtitan (``plugin_ckpt``) and by 1 process (``fewer``);
-    stock torchtitan stopped at 2 (``stock``) and its checkpoint resumed by the plug-in (``stock_ckpt``)."""
+    restoring inside the load (``at_load``), by stock torchtitan (``plugin_ckpt``) and by 1 process (``fewer``,
+    to 3), whose checkpoint 2 processes resume (``more``); stock torchtitan stopped at 2 (``stock``) and its
+    checkpoint resumed by the plug-in (``stock_ckpt``)."""
     root = tmp_path_factory.mktemp("torchtitan")
-    names = ("full", "stopped", "stock", "at_load", "stock_ckpt", "plugin_ckpt", "fewer")
+    names = ("full", "stopped", "stock", "at_load", "stock_ckpt", "plugin_ckpt", "fewer", "more")
     dumps = {name: root / name for name in names}
     plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
     outputs: dict[str, str] = {}
 
     def keep(name: str, proc: subprocess.CompletedProcess) -> None:
         outputs[name] = proc.stdout + proc.stderr
+
+    def other_process_counts() -> None:
+        # The 2-process checkpoint resumed by 1 process, for one step, whose checkpoint 2 processes resume.
+        # torchtitan's dataloader refuses another dp degree (an assertion), so its state is not loaded: the
+        # documented way to change the process count.
+        other = (*plugin, "--checkpoint.exclude_from_loading", "dataloader")
+        keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
+        _copy_checkpoint(dumps["fewer"], dumps["more"], STOP + 1)
+        keep("more", _train(assets, dumps["more"], STEPS, *other))
 
     def stopped_and_resumed() -> None:
         _train(assets, dumps["stopped"], STOP, *plugin)
@@ -209,12 +219,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Pa
                  # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
                  lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
                                                 "49")),
-                 lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)),
-                 # The 2-process checkpoint resumed by 1 process, for one step. torchtitan's dataloader refuses
-                 # another dp degree (an assertion), so its state is not loaded: the documented way to change
-                 # the process count.
-                 lambda: keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *plugin,
-                                              "--checkpoint.exclude_from_loading", "dataloader", nproc=1)))
+                 lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
 
     def stock() -> None:
         _train(assets, dumps["stock"], STOP)
@@ -338,6 +343,19 @@ def test_another_process_count_is_named_once_with_the_rule(runs: dict[str, Path]
     assert "saved by" not in _outputs(runs)["stopped"] + _outputs(runs)["at_load"]
 
 
+def test_more_processes_are_named_once_with_the_rule(runs: dict[str, Path]) -> None:
+    # The 1-process checkpoint (``fewer``'s, at 3) resumed by 2 processes: the new rank keeps its own streams,
+    # never rank 0's.
+    warnings = [line for line in _outputs(runs)["more"].splitlines() if "WARNING - torchtitan_rng" in line]
+    expected = ("torchtitan_rng: the checkpoint was saved by 1 process (no parallelism) and this run has 2 processes "
+                "(dp_shard 2): rank 0 restores the streams saved by the rank of the same number; rank 1, new, keeps "
+                "the streams torchtitan seeded at start, as in a fresh run; this resume is not exact")
+    assert len(warnings) == 1 and warnings[0].endswith(expected), warnings
+    assert json.loads((runs["fewer"] / "checkpoint" / f"step-{STOP + 1}" / "run.json").read_text())["layout"][
+        "world_size"] == 1
+    assert (runs["more"] / "checkpoint" / f"step-{STEPS}").is_dir()
+
+
 def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path], tmp_path: Path) -> None:
     from torchtitan_rng.integrations.torchtitan import STREAMS_PART
 
@@ -435,6 +453,28 @@ def test_pipeline_and_tensor_parallel_stopped_and_resumed_are_bitwise(parallel_r
 def test_pipeline_and_tensor_parallel_stock_resume_differs(parallel_runs: dict[str, Path], layout: str) -> None:
     result = _compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
     assert _first_difference(result) == STOP + 1, result.message
+
+
+def test_tensor_parallel_ranks_hold_equal_mask_streams_at_every_save(parallel_runs: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    from torchtitan_rng.checkpoint.train_state import decode_state
+    from torchtitan_rng.integrations.torchtitan import MASK_STREAMS
+    from torchtitan_rng.rng import fingerprint
+
+    # The plug-in compares the group's mask streams at each save (steps 2 and 4) and says so; no difference.
+    out = (parallel_runs["tp_full"].parent / "tp_full.out").read_text()
+    for step in (STOP, STEPS):
+        assert f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks 0, 1 are equal" in out, step
+    assert "tensor-parallel group hold different" not in out
+    # What the check saw, read back from the checkpoints: rank 0's and rank 1's mask streams are the same at each
+    # save. Control: the same comparison tells the streams of step 2 from those of step 4 (the masks drew).
+    seen = {}
+    for step in (STOP, STEPS):
+        saved = load_checkpoint(parallel_runs["tp_full"] / "checkpoint" / f"step-{step}", tmp_path / f"{step}.pt")
+        ranks = [decode_state(saved["torchtitan_rng"][f"rank_{rank}"])["rng"] for rank in (0, 1)]
+        seen[step] = [{name: fingerprint(streams[name]) for name in MASK_STREAMS} for streams in ranks]
+        assert seen[step][0] == seen[step][1], (step, seen[step])
+    assert seen[STOP][0]["torch_cpu"] != seen[STEPS][0]["torch_cpu"]
 
 
 def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str, Path]) -> None:
