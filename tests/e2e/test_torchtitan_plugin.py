@@ -12,14 +12,15 @@ TensorBoard events are converted into a loss log here:
   streams inside the checkpoint load (before ``iter(dataloader)``) differs;
 * a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
   torchtitan, which ignores the streams: it holds every key of stock's checkpoint at the same step, bit for bit;
-* the plug-in's checkpoint at the stop resumed by 1 process: one WARNING line naming both layouts and the rule
-  for each rank's streams;
+* the plug-in's checkpoint at the stop resumed by 1 process, and that run's checkpoint by 2 processes: each one
+  WARNING line naming both layouts and the rule for each rank's streams;
 * Flux (torchtitan's FluxTrainer, validating): its checkpoint at 3 resumed to 6 == uninterrupted; stock
   resuming it differs; with a loader worker (1 process; the random crop and caption dropout drawn in the
   worker): resumed == uninterrupted; the same checkpoint resumed with the worker's streams not carried differs;
 * pipeline parallel 2 (Interleaved1F1B, stopped by SIGTERM to one rank, saving asynchronously: every rank saves
   a full checkpoint at the agreed step and exits 0; 1F1B) and tensor parallel 2: resumed == uninterrupted; stock
-  torchtitan resuming the same checkpoint differs;
+  torchtitan resuming the same checkpoint differs; under tensor parallelism the ranks' mask streams are equal
+  at every save, as the plug-in's check says;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
