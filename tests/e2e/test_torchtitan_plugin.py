@@ -8,19 +8,19 @@ bit for bit to torchtitan's TensorBoard scalars, checked below); stock runs have
 TensorBoard events are converted into a loss log here:
 
 * plug-in, stopped at the end of ``--training.steps 2`` and resumed to 4 == uninterrupted, every step;
-* plug-in, SIGTERM to one rank: every rank saves a full checkpoint at the agreed step and exits 0; resumed to 4
-  == uninterrupted;
-* controls: stock torchtitan, stopped and resumed the same way, differs; the plug-in restoring the streams
-  inside the checkpoint load (before ``iter(dataloader)``) differs;
+* controls: stock torchtitan resuming the plug-in's checkpoint at the stop differs; the plug-in restoring the
+  streams inside the checkpoint load (before ``iter(dataloader)``) differs;
 * a stock checkpoint resumes with the plug-in (one WARNING line); a plug-in checkpoint resumes in stock
-  torchtitan, which ignores the streams (the same losses as stock resuming its own checkpoint);
-* the plug-in's checkpoint at the stop resumed by 1 process: one WARNING line naming both layouts and the rule
-  for each rank's streams;
-* Flux (torchtitan's FluxTrainer, validating): stopped at 3 and resumed to 6 == uninterrupted; stock differs;
-  with one loader worker per rank (the random crop and caption dropout drawn in the worker): stopped and
-  resumed == uninterrupted; the same checkpoint resumed with the workers' streams not carried differs;
-* pipeline parallel 2 (Interleaved1F1B, stopped by SIGTERM, saving asynchronously; 1F1B) and tensor parallel
-  2: stopped and resumed == uninterrupted; stock torchtitan resuming the plug-in's checkpoint differs;
+  torchtitan, which ignores the streams: it holds every key of stock's checkpoint at the same step, bit for bit;
+* the plug-in's checkpoint at the stop resumed by 1 process, and that run's checkpoint by 2 processes: each one
+  WARNING line naming both layouts and the rule for each rank's streams;
+* Flux (torchtitan's FluxTrainer, validating): its checkpoint at 3 resumed to 6 == uninterrupted; stock
+  resuming it differs; with a loader worker (1 process; the random crop and caption dropout drawn in the
+  worker): resumed == uninterrupted; the same checkpoint resumed with the worker's streams not carried differs;
+* pipeline parallel 2 (Interleaved1F1B, stopped by SIGTERM to one rank, saving asynchronously: every rank saves
+  a full checkpoint at the agreed step and exits 0; 1F1B) and tensor parallel 2: resumed == uninterrupted; stock
+  torchtitan resuming the same checkpoint differs; under tensor parallelism the ranks' mask streams are equal
+  at every save, as the plug-in's check says;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
@@ -30,6 +30,13 @@ The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test supp
 go side by side as cores free up (``together``); the learning rate is flat after warm-up
 (``--lr_scheduler.decay_ratio 0``) because torchtitan builds its schedule on ``training.steps``, which the
 end-of-steps stop changes.
+
+What costs is the number of launches (each starts torchrun and its ranks; a step costs little), so runs are
+shared: one uninterrupted run per model and layout is the reference, and, but for the one end-of-steps stop
+and the one signalled stop, the resumes and the controls start from the checkpoint it saved on its way (the
+same state at the same step boundary: a resume cannot tell it from a stopped run's). The losses are compared
+in this process (``compare_records``, what ``python -m torchtitan_rng.compare_losses`` prints); the command
+itself runs once, with ``--plot``.
 """
 
 from __future__ import annotations
@@ -46,15 +53,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checks import assert_same_tensors, load_checkpoint
 from tests.support.launch import REPO, compare, launch, run_env, together
+from torchtitan_rng.compare_losses import Comparison, compare_records
+from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
 
 SUPPORT = REPO / "tests" / "support" / "integrations"
-# The runs' warm server imports torchtitan_run.py's module (the CPU adjustments, then torchtitan) once, not each
-# rank of each run (tests/support/launch.py).
-PRELOAD = (str(SUPPORT / "torchtitan_run.py"),)
+# The runs' warm server imports torchtitan_run.py's module (the CPU adjustments, then torchtitan) and torchtitan's
+# Flux trainer once, not each rank of each run (tests/support/launch.py). One server for the whole file: every
+# run has the same start-up environment (one HF_HOME).
+PRELOAD = (str(SUPPORT / "torchtitan_run.py"), "torchtitan.models.flux.trainer")
 PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
@@ -80,14 +91,30 @@ def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
             "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"))
 
 
-def _env(assets: Path) -> dict[str, str]:
+def _env(hf_home: Path) -> dict[str, str]:
     # torchtitan_run.py's folder is first on the ranks' sys.path: --module torchtitan_cpu is found there.
-    return run_env({"HF_HOME": str(assets / "hf_home"), "HF_DATASETS_OFFLINE": "1"})
+    return run_env({"HF_HOME": str(hf_home), "HF_DATASETS_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the llama runs read (``tokenizer/``, ``text/``), Flux's (``flux/``, written by its fixture) and the
+    Hugging Face cache of every run of the file (``hf_home/``: one start-up environment, one warm server)."""
+    from tests.support.integrations import torchtitan_cpu
+
+    root = tmp_path_factory.mktemp("torchtitan_assets")
+    torchtitan_cpu.write_assets(root)
+    return root
+
+
+def _compare(a: Path, b: Path) -> Comparison:
+    """The loss logs of two dump folders compared bit for bit, as ``compare_losses`` compares them."""
+    return compare_records(read_loss_log(a), read_loss_log(b))
 
 
 def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets), timeout=400, processes=nproc,
-                  preload=PRELOAD)
+    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets / "hf_home"),
+                  timeout=400, processes=nproc, preload=PRELOAD)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
@@ -110,17 +137,22 @@ def _tensorboard_losses(dump: Path) -> dict[int, float]:
 
 
 def _stock_loss_log(dump: Path) -> None:
-    """A stock run's losses (it has no plug-in to write them) as this project's loss log, from TensorBoard."""
-    (dump / "loss_log.jsonl").write_text("".join(json.dumps({"step": step, "loss": loss, "lr": 0.0}) + "\n"
-                                                 for step, loss in sorted(_tensorboard_losses(dump).items())))
+    """A stock run's losses (it has no plug-in to write them) as this project's loss log, from TensorBoard,
+    after the lines of the steps it did not train (those copied with the checkpoint it resumed)."""
+    board = _tensorboard_losses(dump)
+    log = dump / "loss_log.jsonl"
+    before = [line for line in (log.read_text().splitlines() if log.is_file() else [])
+              if json.loads(line)["step"] not in board]
+    log.write_text("".join(line + "\n" for line in before) + "".join(
+        json.dumps({"step": step, "loss": loss, "lr": 0.0}) + "\n" for step, loss in sorted(board.items())))
 
 
 def _copy_checkpoint(source: Path, dump: Path, step: int) -> None:
-    """A new run folder holding only ``source``'s checkpoint at ``step`` and its losses up to it."""
+    """A new run folder holding only ``source``'s checkpoint at ``step`` and its loss log's lines up to it (not
+    its TensorBoard events, which may go further: the new run's events are its own steps)."""
     shutil.copytree(source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-    if (source / "tb").is_dir():  # the Flux runs write no TensorBoard events
-        shutil.copytree(source / "tb", dump / "tb")
-    shutil.copy(source / "loss_log.jsonl", dump / "loss_log.jsonl")
+    lines = (source / "loss_log.jsonl").read_text().splitlines()
+    (dump / "loss_log.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
 
 
 def _rank_pids(torchrun: subprocess.Popen) -> list[int]:
@@ -138,7 +170,7 @@ def _signalled_run(assets: Path, dump: Path, *extra: str) -> subprocess.Complete
     out = dump.parent / f"{dump.name}.out"
     with out.open("w") as sink:
         proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets), *extra), cwd=REPO,
-                                stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets))
+                                stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets / "hf_home"))
         try:
             while "Training starts at step 1" not in out.read_text():
                 assert proc.poll() is None, f"the run ended before training started\n{out.read_text()[-4000:]}"
@@ -156,14 +188,14 @@ def _signalled_run(assets: Path, dump: Path, *extra: str) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of the file, two at a time (each has 2 processes; the CI machine has 2 cores)."""
-    from tests.support.integrations import torchtitan_cpu
-
+def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
+    """The llama runs (2 processes, FSDP2): the plug-in uninterrupted (``full``), and stopped at the end of
+    ``--training.steps 2`` then resumed to 4 (``stopped``); the stopped run's checkpoint resumed by the plug-in
+    restoring inside the load (``at_load``), by stock torchtitan (``plugin_ckpt``) and by 1 process (``fewer``,
+    to 3), whose checkpoint 2 processes resume (``more``); stock torchtitan stopped at 2 (``stock``) and its
+    checkpoint resumed by the plug-in (``stock_ckpt``)."""
     root = tmp_path_factory.mktemp("torchtitan")
-    assets = root / "assets"
-    torchtitan_cpu.write_assets(assets)
-    names = ("full", "stopped", "stock", "signalled", "at_load", "stock_ckpt", "plugin_ckpt", "fewer")
+    names = ("full", "stopped", "stock", "at_load", "stock_ckpt", "plugin_ckpt", "fewer", "more")
     dumps = {name: root / name for name in names}
     plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
     outputs: dict[str, str] = {}
@@ -171,26 +203,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     def keep(name: str, proc: subprocess.CompletedProcess) -> None:
         outputs[name] = proc.stdout + proc.stderr
 
-    together(lambda: _train(assets, dumps["full"], STEPS, *plugin),
-             lambda: _train(assets, dumps["stopped"], STOP, *plugin))
-    # The plug-in's checkpoint at the stop, resumed by the restore-at-load control and by stock torchtitan.
-    _copy_checkpoint(dumps["stopped"], dumps["at_load"], STOP)
-    _copy_checkpoint(dumps["stopped"], dumps["plugin_ckpt"], STOP)
-    _copy_checkpoint(dumps["stopped"], dumps["fewer"], STOP)
-    together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
-             lambda: _train(assets, dumps["stock"], STOP))
-    _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
-    together(lambda: _train(assets, dumps["stock"], STEPS),
-             lambda: keep("signalled", _signalled_run(assets, dumps["signalled"])))
-    together(lambda: _train(assets, dumps["signalled"], STEPS, *plugin),
-             # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
-             lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq", "49")))
-    together(lambda: keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin)),
-             lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)))
-    # The 2-process checkpoint resumed by 1 process, for one step. torchtitan's dataloader refuses another dp
-    # degree (an assertion), so its state is not loaded: the documented way to change the process count.
-    keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *plugin, "--checkpoint.exclude_from_loading",
-                         "dataloader", nproc=1))
+    def other_process_counts() -> None:
+        # The 2-process checkpoint resumed by 1 process, for one step, whose checkpoint 2 processes resume.
+        # torchtitan's dataloader refuses another dp degree (an assertion), so its state is not loaded: the
+        # documented way to change the process count.
+        other = (*plugin, "--checkpoint.exclude_from_loading", "dataloader")
+        keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
+        _copy_checkpoint(dumps["fewer"], dumps["more"], STOP + 1)
+        keep("more", _train(assets, dumps["more"], STEPS, *other))
+
+    def stopped_and_resumed() -> None:
+        _train(assets, dumps["stopped"], STOP, *plugin)
+        for name in ("at_load", "plugin_ckpt", "fewer"):
+            _copy_checkpoint(dumps["stopped"], dumps[name], STOP)
+        together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
+                 # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
+                 lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
+                                                "49")),
+                 lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
+
+    def stock() -> None:
+        _train(assets, dumps["stock"], STOP)
+        _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
+        keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin))
+
+    together(lambda: _train(assets, dumps["full"], STEPS, *plugin), stopped_and_resumed, stock)
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -199,21 +236,27 @@ def _outputs(runs: dict[str, Path]) -> dict[str, str]:
     return json.loads((runs["full"].parent / "outputs.json").read_text())
 
 
+def _first_difference(result: Comparison) -> int | None:
+    """The first step whose losses differ, None where the logs agree (or differ only in which steps they hold)."""
+    return result.first_step if result.loss_differs else None
+
+
 def test_stopped_at_end_of_steps_and_resumed_is_bitwise(runs: dict[str, Path]) -> None:
-    result = compare(runs["full"], runs["stopped"])
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = _compare(runs["full"], runs["stopped"])
+    assert result.equal, result.message
 
 
 def test_plugin_loss_log_is_torchtitans_float32_loss_bit_for_bit(runs: dict[str, Path]) -> None:
     from torchtitan_rng.compare_losses import same_bits
-    from torchtitan_rng.loss_log import read_loss_log
 
     for name in ("full", "stopped", "at_load"):
         lines = [json.loads(line) for line in (runs[name] / "loss_log.jsonl").read_text().splitlines()]
-        # One writer (rank 0 here), each step once: the resumed runs append only the steps they train.
+        # One writer (rank 0 here), each step once: the resumed runs append only the steps they train (at_load's
+        # folder started with the stopped run's lines up to the stop, its TensorBoard events with the resume).
         assert [line["step"] for line in lines] == list(range(1, STEPS + 1)), f"{name}: {lines}"
         logged, board = read_loss_log(runs[name]), _tensorboard_losses(runs[name])
-        assert sorted(board) == sorted(logged), name
+        trained = list(range(STOP + 1 if name == "at_load" else 1, STEPS + 1))
+        assert sorted(board) == trained, (name, board)
         assert all(same_bits(logged[step]["loss"], board[step]) for step in board), (name, logged, board)
         assert all(logged[step]["lr"] > 0 and logged[step]["grad_norm"] > 0 for step in logged), logged
     # The comparison above catches a loss that is not torchtitan's: the restore-at-load run's differs.
@@ -221,30 +264,19 @@ def test_plugin_loss_log_is_torchtitans_float32_loss_bit_for_bit(runs: dict[str,
 
 
 def test_compare_losses_plots_torchtitan_dump_folders(runs: dict[str, Path]) -> None:
+    # The command itself, on a torchtitan dump folder and a stock run's (the other tests compare in-process).
     plot = runs["full"].parent / "full_vs_stock.png"
-    result = compare(runs["full"], runs["stock"], "--plot", str(plot))
+    result = compare(runs["full"], runs["plugin_ckpt"], "--plot", str(plot))
     assert result.returncode == 1 and f"first differing step {STOP + 1}:" in result.stdout, result.stdout
     assert plot.stat().st_size > 0, result.stdout + result.stderr
 
 
-def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(runs: dict[str, Path]) -> None:
-    from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
-
-    step = _stop_step(_outputs(runs)["signalled"])
-    keys = set(SafeFileSystemReader(runs["signalled"] / "checkpoint" / f"step-{step}").read_metadata()
-               .state_dict_metadata)
-    assert {"torchtitan_rng.rank_0", "torchtitan_rng.rank_1"} <= keys
-    assert any(key.startswith("optimizer.") for key in keys), "the signal's checkpoint holds no optimizer state"
-    result = compare(runs["full"], runs["signalled"])
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
 def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) -> None:
-    for control in ("stock", "at_load"):
-        result = compare(runs["full"], runs[control])
-        assert result.returncode == 1, f"{control}: {result.stdout}{result.stderr}"
-        assert f"first differing step {STOP + 1}:" in result.stdout, (
-            f"{control} should first differ at the first resumed step\n{result.stdout}")
+    # Stock torchtitan resuming the plug-in's checkpoint (it ignores the streams: they start where torchtitan
+    # seeds them), and the plug-in restoring them before iter(dataloader): both differ from the first resumed step.
+    for control in ("plugin_ckpt", "at_load"):
+        result = _compare(runs["full"], runs[control])
+        assert _first_difference(result) == STOP + 1, f"{control}: {result.message}"
 
 
 def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:
@@ -312,56 +344,75 @@ def test_another_process_count_is_named_once_with_the_rule(runs: dict[str, Path]
     assert "saved by" not in _outputs(runs)["stopped"] + _outputs(runs)["at_load"]
 
 
-def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path]) -> None:
-    # Stock torchtitan loads what it asks for and ignores the streams: it resumes the plug-in's checkpoint
-    # exactly as it resumes its own.
+def test_more_processes_are_named_once_with_the_rule(runs: dict[str, Path]) -> None:
+    # The 1-process checkpoint (``fewer``'s, at 3) resumed by 2 processes: the new rank keeps its own streams,
+    # never rank 0's.
+    warnings = [line for line in _outputs(runs)["more"].splitlines() if "WARNING - torchtitan_rng" in line]
+    expected = ("torchtitan_rng: the checkpoint was saved by 1 process (no parallelism) and this run has 2 processes "
+                "(dp_shard 2): rank 0 restores the streams saved by the rank of the same number; rank 1, new, keeps "
+                "the streams torchtitan seeded at start, as in a fresh run; this resume is not exact")
+    assert len(warnings) == 1 and warnings[0].endswith(expected), warnings
+    assert json.loads((runs["fewer"] / "checkpoint" / f"step-{STOP + 1}" / "run.json").read_text())["layout"][
+        "world_size"] == 1
+    assert (runs["more"] / "checkpoint" / f"step-{STEPS}").is_dir()
+
+
+def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path], tmp_path: Path) -> None:
+    from torchtitan_rng.integrations.torchtitan import STREAMS_PART
+
+    # Stock torchtitan loads the keys it asks for and ignores the streams: the plug-in's checkpoint at the stop
+    # holds every key of stock's checkpoint at the same step, bit for bit, so stock resumes it as it resumes its
+    # own; and it did, saying nothing (its losses differ from the first resumed step: the control above).
     assert STREAMS_WARNING not in _outputs(runs)["plugin_ckpt"]
-    result = compare(runs["stock"], runs["plugin_ckpt"])
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert (runs["plugin_ckpt"] / "checkpoint" / f"step-{STEPS}").is_dir()
+    stock = load_checkpoint(runs["stock"] / "checkpoint" / f"step-{STOP}", tmp_path / "stock.pt")
+    plugin = load_checkpoint(runs["stopped"] / "checkpoint" / f"step-{STOP}", tmp_path / "plugin.pt")
+    assert set(plugin) - set(stock) == {STREAMS_PART}, sorted(plugin)
+    assert_same_tensors(stock, {key: plugin[key] for key in stock})
+    # Control: the same comparison with the plug-in's checkpoint two steps later fails.
+    later = load_checkpoint(runs["stopped"] / "checkpoint" / f"step-{STEPS}", tmp_path / "later.pt")
+    with pytest.raises(AssertionError, match="differ|!="):
+        assert_same_tensors(stock, {key: later[key] for key in stock})
 
 
-# Pipeline and tensor parallelism on 2 processes (no data parallelism): the plug-in uninterrupted, stopped and
-# resumed, and the control, stock torchtitan resuming the plug-in's checkpoint (it ignores the streams). torch
-# 2.13 runs torchtitan's pre-split pipeline step through the plug-in's stand-in (provide_presplit_step).
+# Pipeline and tensor parallelism on 2 processes (no data parallelism): the plug-in uninterrupted and resumed,
+# and the control, stock torchtitan resuming the plug-in's checkpoint (it ignores the streams). torch 2.13 runs
+# torchtitan's pre-split pipeline step through the plug-in's stand-in (provide_presplit_step).
 PP = ("--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs")
 LAYOUTS = {"interleaved": (*PP, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
            "1f1b": (*PP, "--parallelism.pipeline_parallel_schedule", "1F1B"),
            "tp": ("--parallelism.tensor_parallel_degree", "2")}
+SIGNALLED = "interleaved"  # the layout whose run is stopped by a signal
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """For each layout: ``{layout}_full`` (to 4), ``{layout}_stopped`` (stopped, then resumed to 4) and
-    ``{layout}_stock`` (the stopped run's checkpoint resumed by stock torchtitan). Interleaved1F1B stops by a
-    SIGTERM to one rank (at whichever step the ranks agree on), saving with ``--checkpoint.async_mode async``;
-    the others stop at the end of ``--training.steps 2``."""
-    from tests.support.integrations import torchtitan_cpu
-
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
+    """For each layout: ``{layout}_full`` (to 4, saving at 2 and 4), ``{layout}_stopped`` (resumed to 4) and
+    ``{layout}_stock`` (stock torchtitan resuming ``{layout}_full``'s checkpoint at 2). Interleaved1F1B's run
+    is stopped by a SIGTERM to one rank (at whichever step the ranks agree on), saving with
+    ``--checkpoint.async_mode async``; the others resume ``{layout}_full``'s checkpoint at 2."""
     root = tmp_path_factory.mktemp("torchtitan_parallel")
-    assets = root / "assets"
-    torchtitan_cpu.write_assets(assets)
     dumps = {f"{layout}_{run}": root / f"{layout}_{run}" for layout in LAYOUTS for run in ("full", "stopped", "stock")}
     outputs: dict[str, str] = {}
 
-    def stopped_and_resumed(layout: str) -> None:
-        extra = LAYOUTS[layout]
-        stopped = dumps[f"{layout}_stopped"]
-        if layout == "interleaved":
-            # Saving asynchronously: the stop's checkpoint goes through torchtitan's async save (a save at the
-            # last step of --training.steps is always synchronous).
-            extra = (*extra, "--checkpoint.async_mode", "async")
-            outputs[layout] = _signalled_run(assets, stopped, *extra).stdout
-            step = _stop_step(outputs[layout])
-        else:
-            _train(assets, stopped, STOP, *_plugin(assets), *extra)
-            step = STOP
-        _copy_checkpoint(stopped, dumps[f"{layout}_stock"], step)
-        together(lambda: _train(assets, stopped, STEPS, *_plugin(assets), *extra),
-                 lambda: _train(assets, dumps[f"{layout}_stock"], STEPS, *extra))
+    def signalled(layout: str) -> None:
+        # Saving asynchronously: the stop's checkpoint goes through torchtitan's async save (a save at the
+        # last step of --training.steps is always synchronous).
+        extra = (*LAYOUTS[layout], "--checkpoint.async_mode", "async")
+        outputs[layout] = _signalled_run(assets, dumps[f"{layout}_stopped"], *extra).stdout
+        _train(assets, dumps[f"{layout}_stopped"], STEPS, *_plugin(assets), *extra)
 
-    together(*(lambda layout=layout: _train(assets, dumps[f"{layout}_full"], STEPS, *_plugin(assets),
-                                             *LAYOUTS[layout]) for layout in LAYOUTS),
-             *(lambda layout=layout: stopped_and_resumed(layout) for layout in LAYOUTS))
+    def full_and_resumed(layout: str) -> None:
+        extra, full = LAYOUTS[layout], dumps[f"{layout}_full"]
+        _train(assets, full, STEPS, *_plugin(assets), *extra)
+        resumes = ("stock",) if layout == SIGNALLED else ("stock", "stopped")
+        for run in resumes:
+            _copy_checkpoint(full, dumps[f"{layout}_{run}"], STOP)
+        together(lambda: _train(assets, dumps[f"{layout}_stock"], STEPS, *extra),
+                 *([] if layout == SIGNALLED else
+                   [lambda: _train(assets, dumps[f"{layout}_stopped"], STEPS, *_plugin(assets), *extra)]))
+
+    together(lambda: signalled(SIGNALLED), *(lambda layout=layout: full_and_resumed(layout) for layout in LAYOUTS))
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -376,25 +427,59 @@ def _stop_step(out: str) -> int:
     return step
 
 
+def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(parallel_runs: dict[str, Path]) -> None:
+    from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
+
+    # Interleaved1F1B, SIGTERM to one rank: both ranks report the same step, saved a full checkpoint there
+    # (asynchronously) and exited 0; the resume from it is bitwise (the next test checks the losses too).
+    outputs = json.loads((parallel_runs["tp_full"].parent / "outputs.json").read_text())
+    stopped = parallel_runs[f"{SIGNALLED}_stopped"]
+    step = _stop_step(outputs[SIGNALLED])
+    keys = set(SafeFileSystemReader(stopped / "checkpoint" / f"step-{step}").read_metadata().state_dict_metadata)
+    assert {"torchtitan_rng.rank_0", "torchtitan_rng.rank_1"} <= keys
+    assert any(key.startswith("optimizer.") for key in keys), "the signal's checkpoint holds no optimizer state"
+    assert f"Training starts at step {step + 1}" in (stopped.parent / f"{stopped.name}.out").read_text()
+    result = _compare(parallel_runs[f"{SIGNALLED}_full"], stopped)
+    assert result.equal, result.message
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_and_tensor_parallel_stopped_and_resumed_are_bitwise(parallel_runs: dict[str, Path],
                                                                       layout: str) -> None:
-    result = compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stopped"])
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = _compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stopped"])
+    assert result.equal, result.message
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_and_tensor_parallel_stock_resume_differs(parallel_runs: dict[str, Path], layout: str) -> None:
-    outputs = json.loads((parallel_runs["tp_full"].parent / "outputs.json").read_text())
-    stop = _stop_step(outputs[layout]) if layout in outputs else STOP
-    result = compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert f"first differing step {stop + 1}:" in result.stdout, result.stdout
+    result = _compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
+    assert _first_difference(result) == STOP + 1, result.message
+
+
+def test_tensor_parallel_ranks_hold_equal_mask_streams_at_every_save(parallel_runs: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    from torchtitan_rng.checkpoint.train_state import decode_state
+    from torchtitan_rng.integrations.torchtitan import MASK_STREAMS
+    from torchtitan_rng.rng import fingerprint
+
+    # The plug-in compares the group's mask streams at each save (steps 2 and 4) and says so; no difference.
+    out = (parallel_runs["tp_full"].parent / "tp_full.out").read_text()
+    for step in (STOP, STEPS):
+        assert f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks 0, 1 are equal" in out, step
+    assert "tensor-parallel group hold different" not in out
+    # What the check saw, read back from the checkpoints: rank 0's and rank 1's mask streams are the same at each
+    # save. Control: the same comparison tells the streams of step 2 from those of step 4 (the masks drew).
+    seen = {}
+    for step in (STOP, STEPS):
+        saved = load_checkpoint(parallel_runs["tp_full"] / "checkpoint" / f"step-{step}", tmp_path / f"{step}.pt")
+        ranks = [decode_state(saved["torchtitan_rng"][f"rank_{rank}"])["rng"] for rank in (0, 1)]
+        seen[step] = [{name: fingerprint(streams[name]) for name in MASK_STREAMS} for streams in ranks]
+        assert seen[step][0] == seen[step][1], (step, seen[step])
+    assert seen[STOP][0]["torch_cpu"] != seen[STEPS][0]["torch_cpu"]
 
 
 def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str, Path]) -> None:
     from torchtitan_rng.compare_losses import same_bits
-    from torchtitan_rng.loss_log import read_loss_log
 
     # Under pipeline parallelism only the last stage's rank has the loss (torchtitan logs -1.0 on the others):
     # the loss log holds that rank's losses, equal bit for bit to torchtitan's TensorBoard scalars.
@@ -409,11 +494,11 @@ def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str,
 # offline: a local byte-level tokenizer for T5 and CLIP, randomly initialised tiny encoders, a WebDataset tar.
 # Its randomness is torchtitan's: the noise and timesteps of every step, the random crop and the caption
 # dropout drawn while the main process iterates the dataset (no loader workers), and the validator's sampling.
-FLUX_STEPS, FLUX_STOP = 6, 3
+FLUX_STEPS, FLUX_STOP = STEPS, STOP
 
 
-def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_flux",
             "--hf_assets_path", str(assets["tokenizer"]), "--tokenizer.t5_tokenizer_path", str(assets["tokenizer"]),
             "--tokenizer.clip_tokenizer_path", str(assets["tokenizer"]),
@@ -424,10 +509,10 @@ def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str) 
             "--training.steps", str(steps), *extra]
 
 
-def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) -> str:
-    proc = launch(_flux_command(assets, dump, steps, *extra), env=_env(assets["tokenizer"].parent), timeout=400,
-                  processes=2, preload=PRELOAD)
-    (dump.parent / f"{dump.name}-{steps}.out").write_text(proc.stdout + proc.stderr)
+def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> str:
+    proc = launch(_flux_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets["hf_home"]), timeout=400,
+                  processes=nproc, preload=PRELOAD)
+    (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
         _stock_loss_log(dump)
@@ -435,48 +520,46 @@ def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str) ->
 
 
 @pytest.fixture(scope="module")
-def flux_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The plug-in's Flux run uninterrupted and stopped at 3 then resumed to 6, both validating at steps 1, 3
-    and 6 (the validator samples images from random noise); stock stopped and resumed the same way, without
-    validation (stock validation moves the training streams: it would differ from step 4 anyway).
+def flux_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
+    """The plug-in's Flux run uninterrupted (``full``: 2 processes, validating at steps 1, 2 and 4; the
+    validator samples images from random noise) and its checkpoint at 2 resumed to 4 (``stopped``, validating at
+    4); stock torchtitan resuming the same checkpoint, without validation (``stock``; stock validation moves the
+    training streams: it would differ from step 3 anyway).
 
-    With one loader worker per rank (``workers_*``: the random crop and caption dropout are drawn in the
-    worker): the plug-in uninterrupted, stopped at 3 and resumed to 6, and the control, the same checkpoint at
-    3 resumed with ``worker_streams`` off (the worker restarts its streams from the loader's seed)."""
+    With a loader worker (``workers_*``, 1 process: the claim is about the worker, whose streams are the
+    process's own; the random crop and caption dropout are drawn in the worker): the plug-in uninterrupted, its
+    checkpoint at 2 resumed to 4, and the control, the same checkpoint resumed with ``worker_streams`` off (the
+    worker restarts its streams from the loader's seed)."""
     from tests.support.integrations import torchtitan_cpu
 
     root = tmp_path_factory.mktemp("flux")
-    assets = torchtitan_cpu.write_flux_assets(root / "assets")
+    flux = {**torchtitan_cpu.write_flux_assets(assets / "flux"), "hf_home": assets / "hf_home"}
     names = ("full", "stopped", "stock", "workers_full", "workers_stopped", "workers_off")
     dumps = {name: root / name for name in names}
     plugin = ("--override.imports", PLUGIN, "--validator.enable", "--validator.freq", str(FLUX_STOP),
-              "--validator.steps", "1", "--validator.dataloader.dataset_path", str(assets["images"]),
+              "--validator.steps", "1", "--validator.dataloader.dataset_path", str(flux["images"]),
               "--validator.sampling.denoising_steps", "2")
     worker = ("--dataloader.num_workers", "1")
     workers, workers_off = (("--override.imports", PLUGIN + (f"={json.dumps(options)}" if options else ""), *worker)
                             for options in ({}, {"worker_streams": False}))
     outputs: dict[str, str] = {}
 
-    def stopped_and_resumed() -> None:
-        _flux_train(assets, dumps["stopped"], FLUX_STOP, *plugin)
-        outputs["stopped"] = _flux_train(assets, dumps["stopped"], FLUX_STEPS, *plugin)
+    def full_and_resumed() -> None:
+        outputs["full"] = _flux_train(flux, dumps["full"], FLUX_STEPS, *plugin)
+        for name in ("stopped", "stock"):
+            _copy_checkpoint(dumps["full"], dumps[name], FLUX_STOP)
+        together(lambda: outputs.setdefault("stopped", _flux_train(flux, dumps["stopped"], FLUX_STEPS, *plugin)),
+                 lambda: _flux_train(flux, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard"))
 
-    def stock() -> None:
-        _flux_train(assets, dumps["stock"], FLUX_STOP, "--metrics.enable_tensorboard")
-        _flux_train(assets, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard")
+    def workers_full_and_resumed() -> None:
+        outputs["workers_full"] = _flux_train(flux, dumps["workers_full"], FLUX_STEPS, *workers, nproc=1)
+        for name in ("workers_stopped", "workers_off"):
+            _copy_checkpoint(dumps["workers_full"], dumps[name], FLUX_STOP)
+        together(lambda: _flux_train(flux, dumps["workers_stopped"], FLUX_STEPS, *workers, nproc=1),
+                 lambda: outputs.setdefault("workers_off", _flux_train(flux, dumps["workers_off"], FLUX_STEPS,
+                                                                       *workers_off, nproc=1)))
 
-    def workers_stopped_and_resumed() -> None:
-        _flux_train(assets, dumps["workers_stopped"], FLUX_STOP, *workers)
-        _copy_checkpoint(dumps["workers_stopped"], dumps["workers_off"], FLUX_STOP)
-        together(lambda: _flux_train(assets, dumps["workers_stopped"], FLUX_STEPS, *workers),
-                 lambda: outputs.setdefault("workers_off",
-                                            _flux_train(assets, dumps["workers_off"], FLUX_STEPS, *workers_off)))
-
-    together(lambda: outputs.setdefault("full", _flux_train(assets, dumps["full"], FLUX_STEPS, *plugin)),
-             stopped_and_resumed, stock,
-             lambda: outputs.setdefault("workers_full", _flux_train(assets, dumps["workers_full"], FLUX_STEPS,
-                                                                    *workers)),
-             workers_stopped_and_resumed)
+    together(full_and_resumed, workers_full_and_resumed)
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -487,31 +570,29 @@ def _flux_outputs(flux_runs: dict[str, Path]) -> dict[str, str]:
 
 def test_flux_stopped_and_resumed_is_bitwise_with_validation(flux_runs: dict[str, Path]) -> None:
     outputs = _flux_outputs(flux_runs)
-    # torchtitan validates at step 1 and every validator.freq steps: the uninterrupted run at 1, 3 and 6; the
-    # stopped run at 1 and 3 (its checkpoint at 3 holds the streams from before that validation), then at 6.
+    # torchtitan validates at step 1 and every validator.freq steps: the uninterrupted run at 1, 2 and 4, after
+    # saving at 2 (the checkpoint holds the streams from before that validation); the resumed run at 4.
     assert all(f"validate step: {step:2}" in outputs["full"] for step in (1, FLUX_STOP, FLUX_STEPS))
     assert f"validate step: {FLUX_STEPS:2}" in outputs["stopped"]
-    assert "Training starts at step 4" in outputs["stopped"], outputs["stopped"][-3000:]
-    result = compare(flux_runs["full"], flux_runs["stopped"])
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"Training starts at step {FLUX_STOP + 1}" in outputs["stopped"], outputs["stopped"][-3000:]
+    result = _compare(flux_runs["full"], flux_runs["stopped"])
+    assert result.equal, result.message
 
 
 def test_flux_stock_control_differs_from_the_first_resumed_step(flux_runs: dict[str, Path]) -> None:
-    result = compare(flux_runs["full"], flux_runs["stock"])
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert f"first differing step {FLUX_STOP + 1}:" in result.stdout, result.stdout
+    result = _compare(flux_runs["full"], flux_runs["stock"])
+    assert _first_difference(result) == FLUX_STOP + 1, result.message
 
 
 def test_flux_with_a_loader_worker_stopped_and_resumed_is_bitwise(flux_runs: dict[str, Path]) -> None:
-    result = compare(flux_runs["workers_full"], flux_runs["workers_stopped"])
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = _compare(flux_runs["workers_full"], flux_runs["workers_stopped"])
+    assert result.equal, result.message
     assert "WARNING - torchtitan_rng" not in _flux_outputs(flux_runs)["workers_full"]
 
 
 def test_flux_worker_control_restarted_worker_streams_differ_and_are_named(flux_runs: dict[str, Path]) -> None:
-    result = compare(flux_runs["workers_full"], flux_runs["workers_off"])
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert f"first differing step {FLUX_STOP + 1}:" in result.stdout, result.stdout
+    result = _compare(flux_runs["workers_full"], flux_runs["workers_off"])
+    assert _first_difference(result) == FLUX_STOP + 1, result.message
     warnings = [line for line in _flux_outputs(flux_runs)["workers_off"].splitlines()
                 if "WARNING - torchtitan_rng" in line]
     assert len(warnings) == 1 and "the dataloader runs 1 worker and worker_streams is off" in warnings[0], warnings

@@ -60,15 +60,21 @@ def assert_refused(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     return lines[0]
 
 
-def rewrite_checkpoint(ckpt: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    """Load a real DCP checkpoint, edit its state, write it back as a real DCP checkpoint."""
-    staged = tmp_path / "staged.pt"
+def load_checkpoint(ckpt: Path, staged: Path) -> dict[str, Any]:
+    """A real DCP checkpoint's whole state, in this process (through the torch.save file ``staged``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp_to_torch_save(ckpt, staged)  # our own checkpoint: trusted
-        state = torch.load(staged, weights_only=False)
-        edit(state)
-        shutil.rmtree(ckpt)
+        dcp_to_torch_save(ckpt, staged)  # a test's own checkpoint: trusted
+        return torch.load(staged, weights_only=False)
+
+
+def rewrite_checkpoint(ckpt: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Load a real DCP checkpoint, edit its state, write it back as a real DCP checkpoint."""
+    state = load_checkpoint(ckpt, tmp_path / "staged.pt")
+    edit(state)
+    shutil.rmtree(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(ckpt))
 
 

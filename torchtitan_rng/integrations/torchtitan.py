@@ -24,6 +24,8 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * the run record of this project (``run.json``: every resolved config key and the versions) in every
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
   WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
+* at each save under tensor parallelism, a check that the ranks of each tensor-parallel group hold the same
+  mask streams (:func:`tensor_parallel_mismatch`), named in a WARNING line when they do not;
 * another process count or layout at a resume: the checkpoint's run record holds the layout it was saved
   with (process count and parallel degrees); rank 0 names both in one WARNING line with the rule each rank's
   streams follow (:func:`layout_change`): rank r restores the streams saved by rank r where the checkpoint
@@ -74,7 +76,7 @@ from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng import signals as checkpoint_signals
-from torchtitan_rng.rng import preserved_global_rng
+from torchtitan_rng.rng import capture_global_rng, fingerprint, preserved_global_rng
 
 check_tested_version("torchtitan")
 
@@ -215,6 +217,25 @@ def layout_change(saved_world: int, saved_layout: dict[str, int] | None, world: 
                 "the streams torchtitan seeded at start, as in a fresh run")
     return (f"torchtitan_rng: the checkpoint was saved by {describe_layout(saved_world, saved_layout)} and this run "
             f"has {describe_layout(world, layout)}: {rule}; this resume is not exact")
+
+
+# The streams a tensor-parallel group draws its dropout masks from: torch's CPU generator (DTensor's random ops
+# on a CPU mesh) and the accelerator's (which DTensor's random ops offset). Equal on every rank of the group while
+# its ranks draw alike (torchtitan seeds them alike); Python's and NumPy's streams do not draw masks.
+MASK_STREAMS = ("torch_cpu", "device")
+
+
+def tensor_parallel_mismatch(step: int, ranks: list[int], streams: list[dict[str, str]]) -> str | None:
+    """The WARNING line when the ranks of one tensor-parallel group (``ranks``, with the fingerprints of their
+    ``MASK_STREAMS``) hold different mask streams at a save; None when they are the same."""
+    differing = [name for name in MASK_STREAMS if len({rank_streams[name] for rank_streams in streams}) > 1]
+    if not differing:
+        return None
+    holders = "; ".join(f"rank {rank}: " + ", ".join(rank_streams[name] for name in differing)
+                        for rank, rank_streams in zip(ranks, streams))
+    return (f"torchtitan_rng: at step {step} the ranks of a tensor-parallel group hold different "
+            f"{' and '.join(differing)} random streams ({holders}): a dropout in a region they replicate draws "
+            "another mask on each rank; each rank's streams are saved as they are, so the resume stays exact")
 
 
 def saved_stream_ranks(keys: Any) -> int:
@@ -378,6 +399,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self._stop_step: int | None = None
         checkpoint_signals.install(config.signals)
         self.vote: StopVote | None = StopVote()  # a collective: every rank builds its manager here
+        dims = self.trainer.parallel_dims
+        self._tp_group = dims.get_mesh("tp").get_group() if dims.tp_enabled else None
         line = carry_worker_streams(self.trainer.dataloader, config.worker_streams)
         if line is not None and self.streams.rank == 0:
             logger.warning(line)
@@ -451,15 +474,37 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self.streams.step = curr_step
         assert self.vote is not None
         if not self.vote.poll(checkpoint_signals.received() is not None):
+            if self._should_save(curr_step, last_step):
+                self._check_tensor_parallel_streams(curr_step)
             self._write_record(curr_step, last_step)
             return super()._save(curr_step, last_step)
         self._stop_step = curr_step
+        self._check_tensor_parallel_streams(curr_step)
         self._write_record(curr_step, False)
         saved = super()._save(curr_step, last_step=False)  # last_step would save the model only by default
         self.maybe_wait_for_saving()
         logger.info(f"torchtitan_rng: stop signal: saved a full checkpoint at step {curr_step}; stopping")
         self.trainer.config.training.steps = curr_step  # the loop ends after this step
         return saved
+
+    def _check_tensor_parallel_streams(self, step: int) -> None:
+        """At a save, every rank of a tensor-parallel group: compare the group's mask streams (one gather of
+        their fingerprints); the group's first rank names a difference."""
+        if self._tp_group is None:
+            return
+        state = capture_global_rng(self.trainer.device)
+        mine = {name: fingerprint(state[name]) for name in MASK_STREAMS}
+        gathered: list[Any] = [None] * dist.get_world_size(self._tp_group)
+        dist.all_gather_object(gathered, mine, group=self._tp_group)
+        ranks = dist.get_process_group_ranks(self._tp_group)
+        line = tensor_parallel_mismatch(step, ranks, gathered)
+        if self.streams.rank != ranks[0]:
+            return
+        if line is not None:
+            logger.warning(line)
+        else:
+            logger.info(f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks "
+                        f"{', '.join(map(str, ranks))} are equal")
 
     def _write_record(self, step: int, last_step: bool) -> None:
         """Rank 0 puts the run record into the folder of a checkpoint about to be saved (before DCP writes
