@@ -131,6 +131,12 @@ def folder_bytes(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
+def checkout_env() -> dict[str, str]:
+    """PYTHONPATH for a run a benchmark starts: this checkout first, so that the run measures the code beside the
+    benchmark, not the copy installed in the environment (an editable install may point at another checkout)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 def scratch_parent() -> str:
     """Where benchmarks write: the repository's outputs/ (on the disk checkpoints would go to; the system
     temp folder can be RAM-backed). TORCHTITAN_RNG_BENCH_DIR picks another place."""

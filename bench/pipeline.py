@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import tempfile
 
-from bench.common import DEBUG_CONFIG, median, parser, scratch_parent, spread, table
+from bench.common import DEBUG_CONFIG, checkout_env, median, parser, scratch_parent, spread, table
 from torchtitan_rng.launch.runs import run_training
 
 _MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
@@ -41,7 +41,7 @@ def step_times(overrides: list[str], nproc: int, steps: int, log_freq: int) -> l
     with tempfile.TemporaryDirectory(dir=scratch_parent()) as dump:
         proc = run_training(DEBUG_CONFIG, ["--job.dump_folder", dump, "--training.steps", str(steps),
                                            "--metrics.log_freq", str(log_freq), *overrides], nproc=nproc,
-                            env={"OMP_NUM_THREADS": "1"})
+                            env={"OMP_NUM_THREADS": "1", **checkout_env()})
     if proc.returncode != 0:
         raise SystemExit(f"the run {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return [float(value) for value in _MS_PER_STEP.findall(proc.stdout)][1:]

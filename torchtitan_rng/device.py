@@ -57,6 +57,17 @@ def distributed_backend() -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
 
 
+def seed_generators(value: int) -> None:
+    """Seed torch's CPU generator and this accelerator's generators (every device's, as ``torch.manual_seed``
+    seeds them) with ``value``. ``torch.manual_seed`` also queues a lazy seeding for each accelerator torch was
+    built for and the machine lacks, each with a stack trace: ~250 us a call on a CPU-only machine, against
+    ~2 us for the CPU generator alone, and the world-size-invariant mode seeds before every block."""
+    torch.default_generator.manual_seed(value)
+    if device_module is not None:
+        # MPS has one device and no manual_seed_all.
+        getattr(device_module, "manual_seed_all", device_module.manual_seed)(value)
+
+
 def get_device_rng_state(device: torch.device) -> torch.Tensor | None:
     """This rank's accelerator generator state, or None on the CPU (covered by the CPU generator)."""
     if device_module is None:

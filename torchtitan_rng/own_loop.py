@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint import integrity, run_record
-from torchtitan_rng.checkpoint.layout import resolve_checkpoint
+from torchtitan_rng.checkpoint.layout import start_location
 from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
@@ -345,7 +345,7 @@ class ExactResume:
         """
         self._refuse_load_after_start()
         self._load_called = True
-        path = resolve_checkpoint(self.manager.folder, load_step, initial_load_path)
+        path = start_location(self.manager.folder, load_step, initial_load_path)
         if path is None:
             return 0
         try:
@@ -363,7 +363,7 @@ class ExactResume:
                 f"checkpoint {path} holds no {', '.join(result.missing)} for this run (saved without that "
                 "part); pass exclude=[...] to start those parts fresh"
             )
-        self.loaded_from = path
+        self.loaded_from = path.native
         self._step_at_load = self.train_state.step
         return self.train_state.step
 
@@ -393,7 +393,7 @@ class ExactResume:
             seed_training_streams(self.seed, self.rank)
         return False
 
-    def _apply_allowed_changes(self, checkpoint: Path | Location) -> None:
+    def _apply_allowed_changes(self, checkpoint: Location) -> None:
         """The optimizer hyperparameters that ``allow_changes`` let differ: the values built with, not the
         checkpoint's (which loading the optimizer's state put back)."""
         saved = run_record.read_record(checkpoint)

@@ -36,9 +36,8 @@ from typing import Any
 import torch
 
 from torchtitan_rng.checkpoint import integrity, layout, run_record
-from torchtitan_rng.checkpoint.layout import METADATA_NAME
+from torchtitan_rng.checkpoint.layout import METADATA_NAME, CheckpointInfo
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
 from torchtitan_rng.checkpoint.storage import Location, is_url
 from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags
@@ -52,8 +51,7 @@ from torchtitan_rng.samples import (FOLDER_HELP, as_launched, format_keys, no_ch
 from torchtitan_rng.sample_log import SAMPLES_FIELD
 
 
-def _start(checkpoints: list[Path | Location], step: int,
-           trusted_module: str) -> tuple[Path | Location | None, dict[str, Any]]:
+def _start(checkpoints: list[Location], step: int, trusted_module: str) -> tuple[Location | None, dict[str, Any]]:
     """The newest of the run's ``checkpoints`` before ``step`` (None: none), and the config values to replay:
     its files checked before any value is read, and a ``job.custom_module`` it names refused unless the user
     named the same (``trusted_module``), as loading never executes code a file names."""
@@ -66,7 +64,7 @@ def _start(checkpoints: list[Path | Location], step: int,
     return chosen, record["config"]
 
 
-def _run_start(values: dict[str, Any], scratch: Path) -> Path | Location | None:
+def _run_start(values: dict[str, Any], scratch: Path) -> Location | None:
     """The checkpoint the run itself started from (its ``checkpoint.initial_load_path`` and ``load_step``, paths
     as launched: :func:`as_launched`), None when it started afresh; ``scratch``: an empty folder."""
     initial = values.get("checkpoint.initial_load_path") or ""
@@ -75,7 +73,7 @@ def _run_start(values: dict[str, Any], scratch: Path) -> Path | Location | None:
     if not is_url(initial) and not Path(initial).exists():
         raise ConfigError(f"the run started from checkpoint.initial_load_path {initial!r}, which is not there: "
                           "run the replay in the folder the run was launched in")
-    return layout.resolve_checkpoint(scratch, values.get("checkpoint.load_step", -1), initial)
+    return layout.start_location(scratch, values.get("checkpoint.load_step", -1), initial)
 
 
 def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +84,7 @@ def _replayed_values(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if key not in layout}
 
 
-def _replay_config(values: dict[str, Any], checkpoint: Path | Location | None, step: int, dump: Path) -> JobConfig:
+def _replay_config(values: dict[str, Any], checkpoint: Location | None, step: int, dump: Path) -> JobConfig:
     """The replay's config: the run's, trained from ``checkpoint`` (None: afresh) to ``step`` into ``dump``,
     looking only (no checkpoint saved)."""
     config = from_values(_replayed_values(values))

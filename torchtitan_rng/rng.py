@@ -153,7 +153,7 @@ def registered_generators() -> dict[str, torch.Generator]:
 
 def seed_model_init(seed: int) -> None:
     """Shared across ranks: every rank builds the same initial weights."""
-    torch.manual_seed(stream_seed("model-init", seed))
+    device_lib.seed_generators(stream_seed("model-init", seed))
 
 
 def seed_training_streams(seed: int, rank: int) -> None:
@@ -181,7 +181,7 @@ def _seed_global_and_registered(value: int) -> None:
 def _seed_global_streams(value: int) -> None:
     random.seed(value)
     np.random.seed(value % (1 << 32))
-    torch.manual_seed(value)  # also seeds every accelerator generator
+    device_lib.seed_generators(value)
 
 
 def capture_host_rng() -> dict[str, Any]:

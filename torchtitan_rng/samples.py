@@ -46,15 +46,15 @@ FOLDER_HELP = ("the run's checkpoint.folder when it was not the default: a URL (
                "(relative: under RUN)")
 
 
-def run_checkpoints(run: Path, folder: str = "") -> list[Path | Location]:
+def run_checkpoints(run: Path, folder: str = "") -> list[Location]:
     """The complete checkpoints of the run: in ``folder`` (its ``checkpoint.folder``: a URL, or a path under
     ``run``) when given, else in any folder of ``step-N`` folders in the dump folder ``run``."""
     if folder:
         where = checkpoint_folder(run, folder)
-        return [layout.step_dir(where, step) for step in layout.complete_steps(where)]
-    found: list[Path | Location] = []
+        return [layout.step_location(where, step) for step in layout.complete_steps(where)]
+    found: list[Location] = []
     for candidate in sorted(path for path in [run, *run.iterdir()] if path.is_dir()) if run.is_dir() else []:
-        found += [layout.step_dir(candidate, step) for step in layout.complete_steps(candidate)]
+        found += [layout.step_location(candidate, step) for step in layout.complete_steps(candidate)]
     return found
 
 
@@ -93,7 +93,7 @@ def as_launched(run: Path, values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _order_of(checkpoint: Path | Location) -> tuple[dict[str, Any], Any, int | None]:
+def _order_of(checkpoint: Location) -> tuple[dict[str, Any], Any, int | None]:
     record = run_record.read_checked_record(checkpoint)  # checked before any value is read
     if record is None:
         raise ConfigError(f"checkpoint {checkpoint} holds no {run_record.RECORD_NAME} (saved by an older version): "

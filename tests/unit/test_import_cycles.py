@@ -86,3 +86,11 @@ def test_control_a_cycle_deferred_inside_a_function_is_found(tmp_path: Path) -> 
     (package / "f.py").write_text("from torchtitan_rng import e\n")
     assert cycles(tmp_path) == [("torchtitan_rng.a", "torchtitan_rng.b"),
                                 ("torchtitan_rng.sub.c", "torchtitan_rng.sub.d")]
+
+
+def test_the_safe_loader_is_a_leaf() -> None:
+    """safe_load.py (the ``.metadata`` unpickler, the weights-only planner) imports nothing of the package but its
+    errors: every reader builds on it, so it must never sit inside a circle of the checkpoint code."""
+    modules = _modules(ROOT)
+    name = "torchtitan_rng.checkpoint.safe_load"
+    assert _imports(name, modules[name], modules) <= {"torchtitan_rng.errors"}

@@ -7,8 +7,10 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.launch import REPO
+from torchtitan_rng import device as device_lib
 from torchtitan_rng import rng
 from torchtitan_rng.rng import FROZEN_SEED, STREAMS, derive_seed, frozen_generator, stream_seed
 
@@ -84,3 +86,26 @@ def test_a_purpose_outside_the_table_is_one_clear_error(call, message: str) -> N
     with pytest.raises(ValueError) as raised:
         call()
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def _torch_states() -> list[bytes]:
+    """The CPU generator's state and, on an accelerator, the current device's, as bytes."""
+    states = [torch.get_rng_state()]
+    if device_lib.device_module is not None:
+        states.append(device_lib.device_module.get_rng_state())
+    return [state.numpy().tobytes() for state in states]
+
+
+@pytest.mark.parametrize("value", [0, 7, stream_seed("micro-batch-layer", 3, 2, 1, 0), (1 << 63) - 1])
+def test_seeding_leaves_the_generators_as_torch_manual_seed_leaves_them(value: int) -> None:
+    """The fast seeding (every block of every micro-batch in the world-size-invariant mode) puts the CPU and the
+    device generator in the state torch.manual_seed puts them in, so the streams drawn after it are unchanged."""
+    with rng.preserved_global_rng(torch.device(device_lib.device_type)):
+        torch.manual_seed(value)
+        expected = _torch_states()
+        torch.manual_seed(value + 1)  # control: another seed leaves another state
+        other = _torch_states()
+        device_lib.seed_generators(value)
+        got = _torch_states()
+    assert got == expected
+    assert all(a != b for a, b in zip(other, expected))

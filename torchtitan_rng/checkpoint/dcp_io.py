@@ -16,7 +16,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from torchtitan_rng.checkpoint.integrity import RESUME_ADVICE
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeFileSystemReader
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
+from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.storage import FsspecStorage, Location, Where, locate
 from torchtitan_rng.checkpoint.writer import ChecksummedFileSystemWriter
 from torchtitan_rng.errors import CheckpointError, first_line

@@ -28,10 +28,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from torchtitan_rng.checkpoint.storage import Location, Where, locate
 from torchtitan_rng.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 # The parts every checkpoint of a run holds, by name (the top-level keys of DCP's state dict).
 MODEL = "model"
@@ -82,13 +85,34 @@ def saved_world_size(keys: Iterable[str]) -> int | None:
     return count or None
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint holds, read once: its folder, DCP metadata, and the keys derived from them."""
+
+    path: Location
+    metadata: Metadata
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """Dotted keys of every stored value (``train_state.rank_0``, ``model.tok_embeddings.weight``)."""
+        return frozenset(self.metadata.state_dict_metadata)
+
+    @property
+    def saved_world_size(self) -> int | None:
+        """How many processes saved it (None: it has no per-rank train state)."""
+        return saved_world_size(self.keys)
+
+    def holds(self, part: str) -> bool:
+        return any(key.startswith(part + ".") for key in self.metadata.state_dict_metadata)
+
+
 def step_location(folder: Where, step: int) -> Location:
     """The folder of the checkpoint of ``step``."""
     return locate(folder) / f"step-{step}"
 
 
 def step_dir(folder: Where, step: int) -> Path | Location:
-    """:func:`step_location` as callers outside checkpoint/ get it (a ``Path`` when local)."""
+    """:func:`step_location` as the public API hands it out (a ``Path`` when local)."""
     return step_location(folder, step).native
 
 
@@ -277,22 +301,28 @@ def _describe(steps: list[int]) -> str:
 
 def resolve_checkpoint(own_folder: Where, load_step: int = -1,
                        initial_load_path: Where = "") -> Path | Location | None:
+    """:func:`start_location` as the public API hands it out (a ``Path`` when local)."""
+    start = start_location(own_folder, load_step, initial_load_path)
+    return start.native if start is not None else None
+
+
+def start_location(own_folder: Where, load_step: int = -1, initial_load_path: Where = "") -> Location | None:
     """The checkpoint a run starts from: its own newest (or ``load_step``), else ``initial_load_path``."""
     own_folder = locate(own_folder)
     found = scan(own_folder)
     own = found.complete
     _refuse_damaged(own_folder, found, load_step)
     if load_step >= 0 and load_step in own:
-        return step_dir(own_folder, load_step)
+        return step_location(own_folder, load_step)
     if own and load_step < 0:
-        return step_dir(own_folder, own[-1])
+        return step_location(own_folder, own[-1])
     if initial_load_path:
         # Named by the user: a link given here is followed (a link among a folder's step-N entries never is).
         initial = locate(initial_load_path)
         if initial.local is not None and initial.kind() == "other":
             initial = locate(initial.local.resolve())
         if _is_checkpoint(initial) and load_step < 0:
-            return initial.native
+            return initial
         if not initial.is_dir():
             raise CheckpointError(
                 f"initial_load_path={str(initial_load_path)!r} does not exist; give a step-N folder or a folder "
@@ -306,13 +336,13 @@ def resolve_checkpoint(own_folder: Where, load_step: int = -1,
                     f"load_step={load_step} not found in {initial}; complete checkpoints there: "
                     f"{_describe(there.complete)}"
                 )
-            return step_dir(initial, load_step)
+            return step_location(initial, load_step)
         if not there.complete:
             raise CheckpointError(
                 f"initial_load_path={str(initial_load_path)!r} holds no complete checkpoint (a folder with DCP's "
                 ".metadata, or step-N folders of them)"
             )
-        return step_dir(initial, there.complete[-1])
+        return step_location(initial, there.complete[-1])
     if load_step >= 0:
         raise CheckpointError(
             f"load_step={load_step} not found in {own_folder}; complete checkpoints there: {_describe(own)}"

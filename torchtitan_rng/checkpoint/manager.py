@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torchtitan_rng.checkpoint import dcp_io, integrity, layout, run_record
 from torchtitan_rng.errors import CheckpointError, disk_full, first_line
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo, SafeLoadPlanner
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
+from torchtitan_rng.checkpoint.safe_load import SafeLoadPlanner
 from torchtitan_rng.checkpoint.staging import HostCopyStager
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.checkpoint.storage import Location, Where, folder_location
@@ -140,9 +141,9 @@ class CheckpointManager:
         if not (force or self.should_save(step, last_step)):
             return None
         in_background = self.async_mode == "async" and not force and step != last_step
-        return self._save(step, in_background)
+        return self._save(step, in_background).native
 
-    def _save(self, step: int, in_background: bool) -> Path | Location:
+    def _save(self, step: int, in_background: bool) -> Location:
         self.wait()
         # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not write.
         layout.refuse_overwrite(self.folder, [step])
@@ -153,7 +154,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # DCP's wrapper is a BaseException
             raise _save_failure(step, self.folder, err) from None
 
-    def _write(self, step: int, in_background: bool) -> Path | Location:
+    def _write(self, step: int, in_background: bool) -> Location:
         started = time.perf_counter()
         partial = self.completion.target(self.folder, step)
         if self.rank == 0:
@@ -168,15 +169,16 @@ class CheckpointManager:
             self._pending = (step, future, started)
             self._say(f"checkpoint step-{step}: staged in {time.perf_counter() - started:.2f} s, writing in the "
                       "background")
-            return layout.step_dir(self.folder, step)
+            return layout.step_location(self.folder, step)
         dcp.save(dict(self.parts), storage_writer=dcp_io.writer(partial), planner=planner)
         self._hook("save_written", step)
         barrier()
         if self.rank == 0:
             self._complete(step)
         barrier()
-        self._say(f"checkpoint {layout.step_dir(self.folder, step)} saved in {time.perf_counter() - started:.2f} s")
-        return layout.step_dir(self.folder, step)
+        saved = layout.step_location(self.folder, step)
+        self._say(f"checkpoint {saved} saved in {time.perf_counter() - started:.2f} s")
+        return saved
 
     def _say(self, message: str) -> None:
         if self.log is not None:

@@ -14,9 +14,8 @@ import enum
 import io
 import pickle
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -24,11 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from torchtitan_rng.checkpoint.layout import saved_world_size
 from torchtitan_rng.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from torchtitan_rng.checkpoint.storage import Location
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -122,24 +117,3 @@ class SafeFileSystemReader(SafeMetadata, FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.safe_metadata()
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a checkpoint holds, read once: its folder, DCP metadata, and the keys derived from them."""
-
-    path: Location
-    metadata: Metadata
-
-    @property
-    def keys(self) -> frozenset[str]:
-        """Dotted keys of every stored value (``train_state.rank_0``, ``model.tok_embeddings.weight``)."""
-        return frozenset(self.metadata.state_dict_metadata)
-
-    @property
-    def saved_world_size(self) -> int | None:
-        """How many processes saved it (None: it has no per-rank train state)."""
-        return saved_world_size(self.keys)
-
-    def holds(self, part: str) -> bool:
-        return any(key.startswith(part + ".") for key in self.metadata.state_dict_metadata)

@@ -324,8 +324,8 @@ class Location:
 
     @property
     def native(self) -> Path | Location:
-        """What callers outside checkpoint/ get: the local ``Path`` (they use it as one), or this location on an
-        object store."""
+        """What the public API hands a user (``CheckpointManager.save``, ``resolve_checkpoint``, ``ExactResume``): the
+        local ``Path`` (used as one), or this location on an object store. The package itself passes Locations."""
         return self.local or self
 
     def kind(self) -> str | None:

@@ -27,8 +27,7 @@ import torch
 
 from torchtitan_rng.checkpoint import integrity, run_record
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
-from torchtitan_rng.checkpoint.layout import completion
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.layout import CheckpointInfo, completion
 from torchtitan_rng.checkpoint.storage import Where, locate
 from torchtitan_rng.distributed import on_rank_zero
 from torchtitan_rng.errors import CheckpointError

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
 from torchtitan_rng.config import Training
 from torchtitan_rng.errors import CheckpointError
 

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
 from torchtitan_rng import device as device_lib
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import Data, JobConfig, Parallelism, Training, gradient_accumulation_steps
 from torchtitan_rng.data.sampler import ResumableBatchSampler

@@ -216,6 +216,7 @@ class StagedLayout(Layout):
         self.stage_ids: list[int] = []  # the stages this rank runs
         self.layers: list[list[int]] = []  # every stage's layers
         self.model_order: list[str] = []  # every trainable parameter of the whole model, by name
+        self.model_rows: list[int] = []  # and its rows (its length along dim 0; 1 for a scalar)
         self.names: list[str] = []  # this rank's trainable parameters' names in the unwrapped model
         self._run: _ScheduleRun | None = None
 
@@ -273,7 +274,9 @@ class StagedLayout(Layout):
         return self.dp_mesh.get_group()
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
-        self.model_order = [name for name, p in model.named_parameters() if p.requires_grad]
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.model_order = [name for name, _ in trainable]
+        self.model_rows = [p.shape[0] if p.dim() else 1 for _, p in trainable]
         modules = self._split_model(model, spec)
         numerics.hook_model(model, spec)
         sharded = self.dp > 1
@@ -411,10 +414,25 @@ class StagedLayout(Layout):
         return norm
 
     def in_model_order(self, params: list[nn.Parameter], parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every stage's parts gathered over the pipeline group and put in the whole model's parameter order."""
+        """Every stage's parts (one value per row of its parameter) gathered over the pipeline group and put in
+        the whole model's parameter order, by one all-gather of a vector with a place for every parameter's part
+        and a flag per parameter that says whether this rank filled it (a parameter two stages hold: the later
+        stage's)."""
         assert len(params) == len(self.names), "the trainer steps the model's trainable parameters"
-        names = [name for name, p in zip(self.names, params) if p.grad is not None]
-        everyone: list[Any] = [None] * self.pp
-        dist.all_gather_object(everyone, {name: part.cpu() for name, part in zip(names, parts)}, group=self.pp_group)
-        gathered = {name: part for stage_parts in everyone for name, part in stage_parts.items()}
-        return [gathered[name].to(self.world.device) for name in self.model_order if name in gathered]
+        mine = dict(zip([name for name, p in zip(self.names, params) if p.grad is not None], parts))
+        dtype, device = (parts[0].dtype if parts else torch.float64), self.world.device
+        flags = torch.tensor([name in mine for name in self.model_order], dtype=dtype, device=device)
+        pieces = [mine[name].reshape(rows) if name in mine else torch.zeros(rows, dtype=dtype, device=device)
+                  for name, rows in zip(self.model_order, self.model_rows)]
+        local = torch.cat([flags, *pieces])
+        gathered = torch.empty(self.pp * local.numel(), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, local, group=self.pp_group)
+        by_rank = gathered.view(self.pp, -1)
+        held = by_rank[:, : len(flags)].cpu().tolist()  # one read of every rank's flags
+        ordered, offset = [], len(flags)
+        for index, rows in enumerate(self.model_rows):
+            holders = [rank for rank in range(self.pp) if held[rank][index]]
+            if holders:
+                ordered.append(by_rank[holders[-1], offset : offset + rows])
+            offset += rows
+        return ordered

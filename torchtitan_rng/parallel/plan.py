@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import JobConfig, Parallelism, from_values
 from torchtitan_rng.distributed import World

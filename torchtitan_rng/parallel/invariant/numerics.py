@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import Dataset
 
-from torchtitan_rng.checkpoint.safe_load import CheckpointInfo
+from torchtitan_rng.checkpoint.layout import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, Data, JobConfig, Parallelism, Training
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
