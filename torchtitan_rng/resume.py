@@ -129,7 +129,7 @@ def signing_of(checkpoint: Checkpoint) -> integrity.SigningKey | None:
     return integrity.signing_key(checkpoint.signing_key_env)
 
 
-def checkpoint_to_resume(config: JobConfig) -> Location | None:
+def checkpoint_to_resume(config: JobConfig) -> Path | Location | None:
     """The checkpoint this config resumes from (None: a fresh start); its choice of parts is checked too."""
     ckpt = config.checkpoint
     for name in ckpt.exclude_from_loading:
@@ -139,7 +139,7 @@ def checkpoint_to_resume(config: JobConfig) -> Location | None:
     if not ckpt.enable and not ckpt.initial_load_path and ckpt.load_step < 0:
         return None
     # Without checkpoint.enable a named checkpoint is loaded and nothing is saved: a run that only looks.
-    return layout.start_location(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
+    return layout.resolve_checkpoint(folder_of(config), ckpt.load_step, ckpt.initial_load_path)
 
 
 def model_blocks(config: JobConfig) -> Callable[[], int | None]:
@@ -186,7 +186,7 @@ class StreamPlan:
 
 
 def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManager, train_state: TrainState,
-           sampler: Any, log: Callable[[str], None]) -> tuple[StreamPlan, Location | None]:
+           sampler: Any, log: Callable[[str], None]) -> tuple[StreamPlan, Path | Location | None]:
     """Load the checkpoint to start from, if any; returns how the random streams start and the checkpoint loaded
     (None: a fresh start). ``log`` prints on rank 0."""
     if config.checkpoint.enable:

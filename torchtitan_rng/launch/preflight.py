@@ -14,7 +14,6 @@ from pathlib import Path
 
 from torchtitan_rng import resume, signals
 from torchtitan_rng.checkpoint.layout import complete_steps
-from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import loss_log_path
@@ -22,7 +21,7 @@ from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import mode_of
 
 
-def check(config: JobConfig, world_size: int | None = None) -> Location | None:
+def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     """Raise a TorchtitanRngError for anything that would stop the run once started; the checkpoint it would
     resume from goes through the one vetting (whole, layout for ``world_size`` when known, files, record).
     Returns that checkpoint (None: a fresh start)."""
