@@ -325,7 +325,7 @@ class Location:
     @property
     def native(self) -> Path | Location:
         """What the public API hands a user (``CheckpointManager.save``, ``resolve_checkpoint``, ``ExactResume``): the
-        local ``Path`` (used as one), or this location on an object store. The package itself passes Locations."""
+        local ``Path`` (used as one), or this location on an object store."""
         return self.local or self
 
     def kind(self) -> str | None:
