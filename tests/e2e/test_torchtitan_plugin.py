@@ -264,11 +264,15 @@ def test_plugin_loss_log_is_torchtitans_float32_loss_bit_for_bit(runs: dict[str,
 
 
 def test_compare_losses_plots_torchtitan_dump_folders(runs: dict[str, Path]) -> None:
-    # The command itself, on a torchtitan dump folder and a stock run's (the other tests compare in-process).
-    plot = runs["full"].parent / "full_vs_stock.png"
-    result = compare(runs["full"], runs["plugin_ckpt"], "--plot", str(plot))
-    assert result.returncode == 1 and f"first differing step {STOP + 1}:" in result.stdout, result.stdout
-    assert plot.stat().st_size > 0, result.stdout + result.stderr
+    # The command itself on torchtitan dump folders (the other tests compare in-process): exit 0 on the plug-in's
+    # stopped and resumed run, exit 1 on stock resuming its checkpoint and on the plug-in restoring at load.
+    exact = compare(runs["full"], runs["stopped"])
+    assert exact.returncode == 0, exact.stdout + exact.stderr
+    for control in ("plugin_ckpt", "at_load"):
+        plot = runs["full"].parent / f"full_vs_{control}.png"
+        result = compare(runs["full"], runs[control], "--plot", str(plot))
+        assert result.returncode == 1 and f"first differing step {STOP + 1}:" in result.stdout, result.stdout
+        assert plot.stat().st_size > 0, result.stdout + result.stderr
 
 
 def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) -> None:
