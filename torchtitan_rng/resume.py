@@ -74,7 +74,7 @@ def resolved(config: JobConfig) -> dict[str, Any]:
     mode resolves (an unset pipeline micro-batch size)."""
     values = {f"{section}.{key}": value for section, keys in to_dict(config).items() for key, value in keys.items()}
     values[run_record.HORIZON_KEY] = lr_total_steps(config)
-    values.update(mode_of(config.parallelism).resolved(config))
+    values.update(mode_of(config.parallelism).resolved(config.parallelism, config.training))
     values[skips.KEY] = skips.canonical(config.training.skip_steps)
     return values
 

@@ -38,9 +38,9 @@ class PipelineSplit:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     input_key: str  # the batch entry the first stage takes
     target_key: str  # the batch entry the loss takes
-    # (config, blocks needed): the overrides that give the model at least that many blocks ("": none does), for the
-    # advice of a refusal of too many stages for the model.
-    deeper: Callable[[JobConfig, int], str] | None = None
+    # (blocks needed): the overrides that give the model at least that many blocks ("": none does), for the advice
+    # of a refusal of too many stages for the model.
+    deeper: Callable[[int], str] | None = None
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def test_too_few_layers_for_an_interleaved_default_names_the_schedule_and_the_fi
     """Interleaved1F1B on the default model, no split points given: the refusal says where the four stages come
     from and names the model's fix (the spec's deeper flavor), which then runs; no split point is named."""
     config = _pp(2, "Interleaved1F1B")
-    deeper = get_train_spec(config).pipeline.deeper(config, 4)
+    deeper = get_train_spec(config).pipeline.deeper(4)
     assert deeper == "--model.flavor debug4"
     with pytest.raises(ConfigError) as refused:
         stage_layers(config.parallelism, 2, deeper)

@@ -296,7 +296,7 @@ class StagedLayout(Layout):
             raise ConfigError(_does_not_split(spec.name, self.pp))
         self.split = spec.pipeline
         parallelism = self.config.parallelism
-        deeper = self.split.deeper(self.config, stage_count(parallelism)) if self.split.deeper else ""
+        deeper = self.split.deeper(stage_count(parallelism)) if self.split.deeper else ""
         self.layers = layers = stage_layers(parallelism, len(spec.block_lists(model)[0]), deeper)
         count = len(layers)
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from torchtitan_rng.checkpoint.layout import CheckpointInfo
 from torchtitan_rng.checkpoint.states import Stateful
-from torchtitan_rng.config import JobConfig, Parallelism, from_values
+from torchtitan_rng.config import JobConfig, Parallelism, Training, from_values
 from torchtitan_rng.distributed import World
 from torchtitan_rng.parallel.invariant.numerics import DerivedNumerics
 from torchtitan_rng.parallel.layout import MICROBATCH_KEY, FlatLayout, Layout
@@ -69,10 +69,10 @@ class Mode:
         value: a resume may change them without a word (the run record does not compare them)."""
         return self.numerics.layout_keys()
 
-    def resolved(self, config: JobConfig) -> dict[str, Any]:
+    def resolved(self, parallelism: Parallelism, training: Training) -> dict[str, Any]:
         """The keys whose unset value (their default) this mode resolves, at the value it runs (``section.key``:
         the run record holds these)."""
-        return {MICROBATCH_KEY: self.numerics.microbatch_size(config.parallelism, config.training)}
+        return {MICROBATCH_KEY: self.numerics.microbatch_size(parallelism, training)}
 
     def compared(self, values: dict[str, Any], blocks: Callable[[], int | None]) -> dict[str, Any]:
         """``values`` (a run record's config) as a resume in this mode compares them: without the

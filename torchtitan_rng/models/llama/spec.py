@@ -26,7 +26,7 @@ def build_llama(config: JobConfig) -> Llama:
     return Llama(replace(args, vocab_size=vocab_size(config.training.dataset_path, config.model.vocab_size)))
 
 
-def deeper_flavor(config: JobConfig, layers: int) -> str:
+def deeper_flavor(layers: int) -> str:
     """The smallest flavor with at least ``layers`` blocks, as an override ("": none has that many)."""
     deep = sorted((args.n_layers, args.dim, name) for name, args in FLAVORS.items() if args.n_layers >= layers)
     return f"--model.flavor {deep[0][2]}" if deep else ""
