@@ -77,26 +77,24 @@ def stage_layers(parallelism: Parallelism, n_layers: int, deeper: str = "") -> l
     the refusal of too many stages."""
     count = stage_count(parallelism)
     named = split_starts(parallelism)
-    starts = named
-    if not starts:
-        per, extra = divmod(n_layers, count)
-        starts = [sum(per + (s < extra) for s in range(stage)) for stage in range(1, count)]
+    per, extra = divmod(n_layers, count)
+    starts = named or [sum(per + (s < extra) for s in range(stage)) for stage in range(1, count)]
     bounds = [0, *starts, n_layers]
     stages = [list(range(bounds[s], bounds[s + 1])) for s in range(count)]
-    if any(not layers for layers in stages) and named:
+    if all(stages):
+        return stages
+    if named:
         raise ConfigError(f"the model has {n_layers} layers, too few for {count} pipeline stages with split points "
                           f"{', '.join(f'layers.{n}' for n in starts)}: every stage needs a layer (fewer stages, or "
                           f"{_KEY}_split_points below layers.{n_layers})")
-    if any(not layers for layers in stages):
-        schedule, pp = parallelism.pipeline_parallel_schedule, parallelism.pipeline_parallel_degree
-        multi = _multi_stage(schedule)
-        fewer = (f"--{_KEY}_schedule 1F1B (one stage per rank)" if multi
-                 else f"--{_KEY}_degree {n_layers} (or fewer stages)")
-        raise ConfigError(f"the model has {n_layers} layers, too few for the {count} pipeline stages "
-                          f"{_KEY}_schedule = {schedule!r} runs over {_KEY}_degree = {pp} "
-                          f"({'two' if multi else 'one'} per rank): every stage needs a layer; pass "
-                          f"{deeper or f'a model with {count} or more layers'}, or {fewer}")
-    return stages
+    schedule, pp = parallelism.pipeline_parallel_schedule, parallelism.pipeline_parallel_degree
+    multi = _multi_stage(schedule)
+    fewer = (f"--{_KEY}_schedule 1F1B (one stage per rank)" if multi
+             else f"--{_KEY}_degree {n_layers} (or fewer stages)")
+    raise ConfigError(f"the model has {n_layers} layers, too few for the {count} pipeline stages "
+                      f"{_KEY}_schedule = {schedule!r} runs over {_KEY}_degree = {pp} "
+                      f"({'two' if multi else 'one'} per rank): every stage needs a layer; pass "
+                      f"{deeper or f'a model with {count} or more layers'}, or {fewer}")
 
 
 def describe_stages(parallelism: Parallelism, training: Training, numerics: type[Numerics], dp: int,
