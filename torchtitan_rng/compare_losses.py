@@ -88,15 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None:
             pyplot()  # fail on a missing matplotlib before comparing anything
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
+        result = compare_records(records_a, records_b, args.only_common_steps)
+        # Every file is read before anything is printed: a damaged one is the only line.
+        tensor_lines = tensor_report(args.run_a, args.run_b, result.first_step if result.loss_differs else None)
     except TorchtitanRngError as err:
         return report(err)
-    result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
     if result.loss_differs:
         print("\n".join(diagnose(records_a, records_b, result.first_step)))
     elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
         print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b)))
-    for line in tensor_report(args.run_a, args.run_b, result.first_step if result.loss_differs else None):
+    for line in tensor_lines:
         print(line)
     if args.plot is not None:
         plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)

@@ -15,9 +15,11 @@ writer is closed.
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from torchtitan_rng.errors import TorchtitanRngError, disk_full
 
@@ -111,23 +113,103 @@ class LossLogWriter:
             self.file.close()
 
 
-def read_loss_log(path: Path) -> dict[int, dict[str, Any]]:
-    """Records by step; the later line wins for a step written twice."""
-    if path.is_dir():
-        path = loss_log_path(path)
+def _shown(text: str) -> str:
+    return text if len(text) <= 20 else text[:20] + "..."
+
+
+def _number_in_range(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # a literal past float range; the writer writes an infinite loss as Infinity
+        raise ValueError(f"the number {_shown(text)} is out of float range")
+    return value
+
+
+def _int_in_range(text: str) -> int:
+    # The widest integers the writers write are 64-bit hashes; checking the digits first spares int() a huge one.
+    if len(text.lstrip("-")) > 20 or not -2**64 < int(text) < 2**64:
+        raise ValueError(f"the number {_shown(text)} is out of range")
+    return int(text)
+
+
+def _kind(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError as err:  # a broken link, a link loop, no permission
+        return f"unreadable ({err.strerror})"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def read_lines(path: Path, what: str, expected: str, check: Callable[[dict[str, Any]], None], *,
+               cut_line_absent: bool = False) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file as :class:`LossLogWriter` writes them, each passed through ``check``
+    (which raises ValueError saying what is wrong). Anything else is one LossLogError naming the file (and line):
+    a path that is not a regular file (a FIFO or a device would never end), a byte that is not UTF-8, a number
+    out of range, nesting too deep to read, a record ``check`` refuses. ``cut_line_absent``: a last line without
+    its newline that does not read (a write cut by a kill, which the writer drops when the run goes on) counts as
+    absent."""
     if not path.is_file():
-        raise LossLogError(f"{path}: no such loss log (give a loss_log.jsonl or the dump folder holding one)")
-    records: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        raise LossLogError(f"{path} is {_kind(path)}, not a {what} file: move it away (the trainer writes a "
+                           "regular file there)")
+    lines = path.read_bytes().split(b"\n")
+    cut = lines.pop()  # b"" after a final newline; else a last line without its newline
+    numbered = [(number, line, False) for number, line in enumerate(lines, start=1)]
+    if cut:
+        numbered.append((len(lines) + 1, cut, True))
+    for number, line, is_cut in numbered:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-            step = int(record["step"])
-            float(record["loss"])
-        except (ValueError, KeyError, TypeError):
-            raise LossLogError(
-                f"{path}:{number}: not a loss-log line (expected a JSON object with step and loss)"
-            ) from None
-        records[step] = record
-    return records
+            try:
+                record = json.loads(line.decode("utf-8"), parse_float=_number_in_range, parse_int=_int_in_range)
+            except UnicodeDecodeError:
+                raise ValueError("a byte that is not UTF-8 text") from None
+            except RecursionError:
+                raise ValueError("nested too deep") from None
+            except json.JSONDecodeError:
+                raise ValueError("not JSON") from None
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+            check(record)
+        except ValueError as err:
+            if is_cut and cut_line_absent:
+                continue
+            raise LossLogError(f"{path}:{number}: not a {what} line ({err}; expected {expected})") from None
+        yield record
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_loss_line(record: dict[str, Any]) -> None:
+    if not is_int(record.get("step")):
+        raise ValueError("no integer step")
+    if not isinstance(record.get("loss"), (int, float)) or isinstance(record["loss"], bool):
+        raise ValueError("no numeric loss")
+    prints = record.get("rng_fingerprint")
+    if prints is not None and not (isinstance(prints, list) and all(
+            isinstance(rank, dict) and all(isinstance(value, str) for value in rank.values()) for rank in prints)):
+        raise ValueError("rng_fingerprint is not a list of hashes per rank")
+
+
+def read_loss_log(run: Path) -> dict[int, dict[str, Any]]:
+    """Records by step of a loss log given as its file or the dump folder holding it; the later line wins for a
+    step written twice."""
+    path = loss_log_path(run) if run.is_dir() else run
+    if not path.exists() and not path.is_symlink():
+        raise LossLogError(f"{path}: no such loss log (give a loss_log.jsonl or the dump folder holding one)")
+    return read_loss_log_file(path)
+
+
+def read_loss_log_file(path: Path, *, cut_line_absent: bool = False) -> dict[int, dict[str, Any]]:
+    """Records by step; ``cut_line_absent``: see :func:`read_lines` (a run going on drops that line, a
+    comparison names it)."""
+    return {record["step"]: record
+            for record in read_lines(path, "loss-log", "a JSON object with step and loss", _check_loss_line,
+                                     cut_line_absent=cut_line_absent)}

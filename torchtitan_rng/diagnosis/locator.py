@@ -12,18 +12,15 @@ imports no torch: compare_losses stays light.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtitan_rng.loss_log import LossLogError
+from torchtitan_rng.diagnosis.fingerprint_files import Steps, read_rank_files
 
 FOLDER = "tensor_fingerprints"  # in the dump folder: one file per rank (written by tensor_fingerprints.py)
 # A hash wraps at 2**32 (2**64 for 64-bit elements): shards add up to the whole modulo 2**32 in either case.
 _WRAP = 2**32
-# Per step and rank: the line that rank wrote (the later one for a step written twice).
-Steps = dict[int, dict[int, dict[str, Any]]]
 
 
 @dataclass
@@ -34,7 +31,7 @@ class RunPrints:
     def ranks(self, step: int) -> list[dict[str, Any]]:
         """The lines of ``step``, one per rank of the process count that trained it (rank 0 says how many)."""
         lines = self.steps[step]
-        return [lines[rank] for rank in range(lines[0]["world_size"]) if rank in lines]
+        return [lines[rank] for rank in sorted(lines) if rank < lines[0]["world_size"]]
 
     def entering(self, step: int, rank: int, kind: str) -> dict[str, int] | None:
         """``kind`` (param/optim) of ``rank`` as it entered ``step``: loaded there by a starting process, else left
@@ -57,25 +54,10 @@ def prints_folder(run: Path) -> Path:
 
 def read_prints(run: Path) -> RunPrints | None:
     """The run's fingerprints; None when it was trained without ``debug.tensor_fingerprint``."""
-    folder = prints_folder(run)
-    files = sorted(folder.glob("rank*.jsonl")) if folder.is_dir() else []
-    if not files:
+    read = read_rank_files(prints_folder(run))
+    if read is None:
         return None
-    steps: Steps = {}
-    sharded: set[str] = set()
-    for path in files:
-        rank = int(path.stem[len("rank"):])
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                steps.setdefault(int(record["step"]), {})[rank] = record
-                int(record["world_size"])
-            except (ValueError, KeyError, TypeError):
-                raise LossLogError(f"{path}:{number}: not a tensor-fingerprint line (expected a JSON object with "
-                                   "step and world_size)") from None
-            sharded.update(record.get("sharded", []))
+    steps, sharded = read
     return RunPrints({step: lines for step, lines in steps.items() if 0 in lines}, sharded)
 
 

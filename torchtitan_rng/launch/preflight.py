@@ -7,16 +7,16 @@ Exit 0 when the run can start; 2 with one line naming the problem otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from torchtitan_rng import resume, signals
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
-from torchtitan_rng.loss_log import loss_log_path
+from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log_file
 from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import mode_of
 
@@ -62,10 +62,11 @@ def refuse_restart_over_history(config: JobConfig) -> None:
     is ever deleted; a fresh start goes into another dump folder."""
     dump = Path(config.job.dump_folder)
     log = loss_log_path(dump)
+    records = _log_to_append_to(log)
     logged = log.is_file() and log.stat().st_size > 0
     if config.checkpoint.enable:
         if logged and not config.checkpoint.initial_load_path:
-            _refuse_new_run_into_log(config, dump)
+            _refuse_new_run_into_log(config, dump, max(records, default=0))
         return
     folder = resume.folder_of(config)
     steps = complete_steps(folder)
@@ -83,30 +84,31 @@ def refuse_restart_over_history(config: JobConfig) -> None:
         )
 
 
-def _refuse_new_run_into_log(config: JobConfig, dump: Path) -> None:
+def _log_to_append_to(log: Path) -> dict[int, dict[str, Any]]:
+    """The records of the loss log this run would append to ({} without one). A log that cannot be read is
+    refused: new lines after the damage would leave the whole history unreadable to compare_losses. A last line
+    cut by a kill is not damage: the writer drops it."""
+    if not log.exists() and not log.is_symlink():
+        return {}
+    try:
+        return read_loss_log_file(log, cut_line_absent=True)
+    except LossLogError as err:
+        raise LossLogError(f"{err}: this run would append to that log; repair the line or move the log away, then "
+                           "run the same command again") from None
+
+
+def _refuse_new_run_into_log(config: JobConfig, dump: Path, last: int) -> None:
     """With --checkpoint.enable and nothing to resume, a loss log past step ``checkpoint.interval`` (where this
     run saves first, and flushes the log before) is another run's: appending to it would mix two runs, which
-    compare_losses (later lines win) could not tell apart from one."""
+    compare_losses (later lines win) could not tell apart from one. ``last``: the log's highest step."""
     if complete_steps(resume.folder_of(config)):
         return  # a resume: it appends to its own history
-    last = _last_logged_step(loss_log_path(dump))
     if last > config.checkpoint.interval:
         raise ConfigError(
             f"dump folder {dump} holds a loss log up to step {last} and no checkpoint to resume from, so this run "
             "would start again from step 1 and append a second run to that log: pass another --job.dump_folder "
             "(or move this one away) to start afresh"
         )
-
-
-def _last_logged_step(log: Path) -> int:
-    """The highest step of the log's whole lines (a line cut by a kill, which the writer drops, is skipped)."""
-    last = 0
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            last = max(last, int(json.loads(line)["step"]))
-        except (ValueError, TypeError, KeyError):
-            continue
-    return last
 
 
 def how_to_resume(checkpoint: Checkpoint) -> str:
