@@ -10,6 +10,7 @@ import bisect
 import collections.abc
 import dataclasses
 import json
+import math
 import re
 import sys
 import textwrap
@@ -351,14 +352,23 @@ def _convert(dotted: str, raw: Any, annotation: Any, from_cli: bool) -> Any:
                 pass
         raise ConfigError(f"config {dotted}: expected an integer, got {raw!r}")
     if annotation is float:
+        value: float | None = None
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        if from_cli and isinstance(raw, str):
             try:
-                return float(raw)
+                value = float(raw)
+            except OverflowError:  # a TOML integer past float range
+                value = math.inf
+        elif from_cli and isinstance(raw, str):
+            try:
+                value = float(raw)
             except ValueError:
                 pass
-        raise ConfigError(f"config {dotted}: expected a number, got {raw!r}")
+        if value is None:
+            raise ConfigError(f"config {dotted}: expected a number, got {raw!r}")
+        if not math.isfinite(value):  # nan, inf, or a literal past float range such as 1e400
+            shown = raw if isinstance(raw, str) else repr(value)
+            raise ConfigError(f"config {dotted} = {shown} is not a finite number; give a finite value")
+        return value
     if annotation is str:
         if isinstance(raw, str):
             return raw
@@ -389,6 +399,9 @@ def _load_toml(path: str) -> dict[str, Any]:
         return toml_reader.loads(file.read_text())
     except (toml_reader.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests arrays or tables too deep to read; a config is sections "
+                          "of keys ([section] then key = value)") from None
 
 
 # The raw value of a bare ``--a.b``: true for a boolean key, a missing value for any other.

@@ -32,8 +32,8 @@ python -m torchtitan_rng.train --job.config_file F [--section.key value | --sect
 
 A bare `--section.key` sets a true/false key to true; a list is comma-separated on the command line
 (`--checkpoint.allow_config_change optimizer.lr,lr_scheduler.total_steps`) and a TOML array in a file. An
-unknown section or key, a wrong type or a value out of range prints one line naming it (and the valid
-values) and exits 2; `run_train.sh` checks this before it starts any process. Which keys may change
+unknown section or key, a wrong type, a value out of range or a number that is not finite (`nan`, `inf`,
+`1e400`) prints one line naming it (and the valid values) and exits 2; `run_train.sh` checks this before it starts any process. Which keys may change
 between a stop and its resume: [changes.md](changes.md).
 """
 
