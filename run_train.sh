@@ -11,6 +11,7 @@ _stopped() {
 }
 trap '_stopped SIGTERM' TERM
 trap '_stopped SIGUSR1' USR1
+trap '_stopped SIGINT' INT
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/python_env.sh"  # sets REPO; use_python
 
 usage() {

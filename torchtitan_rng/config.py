@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from torchtitan_rng.errors import ConfigError
+from torchtitan_rng.signals import TRAINER_SIGNALS
 
 if sys.version_info >= (3, 11):
     import tomllib as toml_reader
@@ -237,7 +238,7 @@ class Debug:
 
 @dataclass
 class Signals:
-    checkpoint_on: list[str] = _key(["SIGTERM", "SIGUSR1", "SIGINT"], "signals that make every rank checkpoint at "
+    checkpoint_on: list[str] = _key(list(TRAINER_SIGNALS), "signals that make every rank checkpoint at "
                                     "the next step boundary and exit 0; a second SIGINT (Ctrl-C) aborts without a "
                                     "save (docs/clusters.md)")
 

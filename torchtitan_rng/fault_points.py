@@ -48,7 +48,7 @@ def _has_stop_signal() -> bool:
     """Whether this process got a checkpoint signal: handled (recorded) or blocked (pending)."""
     from torchtitan_rng import signals  # light; imported here as signals imports nothing of this module
 
-    return signals.received() is not None or signals.pending(signals.DEFAULT_SIGNALS) is not None
+    return signals.received() is not None or signals.pending(signals.TRAINER_SIGNALS) is not None
 
 
 def hold(name: str) -> None:

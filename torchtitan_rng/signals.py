@@ -35,7 +35,9 @@ from typing import Any
 
 from torchtitan_rng.errors import ConfigError
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")  # a library's (hf, lightning, the plug-in): Ctrl-C keeps its meaning there
+# The trainer's (``signals.checkpoint_on`` by default): a terminal's Ctrl-C stops a run like a cluster's signal.
+TRAINER_SIGNALS = (*DEFAULT_SIGNALS, "SIGINT")
 EXIT_DIR_ENV = "TORCHTITAN_RNG_EXIT_DIR"
 _UNHANDLEABLE = ("SIGKILL", "SIGSTOP")
 

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.launch import STEP2, train
+
+
+@pytest.fixture
+def sigint_raises_in_children() -> Iterator[None]:
+    """A suite started in the background ignores SIGINT, and so would the runs it starts (an ignored signal
+    stays ignored across exec); a handler of ours is reset to the default in a child instead."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 # The uninterrupted debug runs (run A of the promise).

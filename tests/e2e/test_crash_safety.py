@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,15 +112,6 @@ def test_kill_between_two_log_flushes_loses_only_what_the_resume_redoes(tmp_path
     assert_every_line_matches(tmp_path / "A", tmp_path / "B")
     reference, resumed = read_loss_log(tmp_path / "A"), read_loss_log(tmp_path / "B")
     assert all(float_bits(resumed[step]["grad_norm"]) == float_bits(reference[step]["grad_norm"]) for step in reference)
-
-
-@pytest.fixture
-def sigint_raises_in_children() -> Iterator[None]:
-    """A suite started in the background ignores SIGINT, and so would the runs it starts (an ignored signal
-    stays ignored across exec); a handler of ours is reset to the default in a child instead."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.usefixtures("sigint_raises_in_children")

@@ -138,3 +138,35 @@ def test_same_command_again_continues_exactly(stops: dict, llama_uninterrupted_t
     (tmp_path / "loss_log.jsonl").write_text("\n".join([*lines[:-1], json.dumps(record)]) + "\n")
     result = compare(llama_uninterrupted_two_processes, tmp_path)
     assert result.returncode == 1, result.stdout
+
+
+# Ctrl-C in a terminal: SIGINT to the launcher's whole process group (torchrun starts each rank in a session of its
+# own and forwards the signal there). Held first where the launcher has not imported torch yet (the signal once
+# raised KeyboardInterrupt in whatever was importing), then where torchrun started the ranks.
+CTRL_C_MOMENTS = {
+    "launcher_start": (["launcher_start:0"], ["launcher_start-0-launcher"]),
+    "launcher_ranks_started": (["launcher_ranks_started:0", "rank_start:0"],
+                               ["launcher_ranks_started-0-launcher", "rank_start-0-rank0", "rank_start-0-rank1"]),
+}
+
+
+@pytest.mark.usefixtures("sigint_raises_in_children")
+@pytest.mark.parametrize("moment", CTRL_C_MOMENTS)
+def test_ctrl_c_during_startup_is_the_clean_stop(tmp_path: Path, moment: str) -> None:
+    holds, files = CTRL_C_MOMENTS[moment]
+    job = _start(tmp_path / "run", tmp_path / "out", holds)
+    try:
+        held = [job.wait_held(name) for name in files]
+        os.killpg(job.proc.pid, signal.SIGINT)
+        for file in held:
+            job.wait_held(SIGNALLED + file.name)
+            file.unlink()
+    except BaseException:
+        job.proc.kill()
+        raise
+    proc = job.finish()
+    assert_clean_exit(proc)
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    assert STOPPED.replace("SIGUSR1", "SIGINT") in proc.stdout.splitlines(), proc.stdout[-3000:]
+    log = tmp_path / "run" / "loss_log.jsonl"
+    assert not log.exists() or log.read_text() == ""  # no step was trained

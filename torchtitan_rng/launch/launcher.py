@@ -92,8 +92,9 @@ def _stopped_before_training(name: str, config: JobConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # First: until torchrun's handlers and the ranks' own are in place, a checkpoint signal waits instead of
-    # killing this process (its default action: exit 138 or 143, an empty log).
-    signals.block(signals.DEFAULT_SIGNALS)
+    # killing this process (its default action: exit 138 or 143, an empty log; Ctrl-C's, a KeyboardInterrupt
+    # raised in whatever is importing).
+    signals.block(signals.TRAINER_SIGNALS)
     hold_at("launcher_start")
     return _launch(sys.argv[1:] if argv is None else argv)
 
@@ -123,7 +124,7 @@ def _launch(argv: list[str]) -> int:
         checkpoint_on = list(config.signals.checkpoint_on)
         signals.block(checkpoint_on)  # the config's own too (bad names: one line here)
         # A default one the config does not list gets its default action back (a pending one, now).
-        signals.unblock([name for name in signals.DEFAULT_SIGNALS if name not in checkpoint_on])
+        signals.unblock([name for name in signals.TRAINER_SIGNALS if name not in checkpoint_on])
         if str(args.nproc_per_node).isdigit():
             problem = device.too_many_processes(int(args.nproc_per_node))
             if problem is not None:
