@@ -5,6 +5,8 @@ environment (``AWS_ENDPOINT_URL``...), as they would reach a bucket on-premises.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -69,3 +71,68 @@ def s3() -> Any:
     import s3fs
 
     return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+class Relay:
+    """A TCP relay between the clients and a server that can be paused: paused, it accepts connections and takes
+    what a client sends up to what its sockets hold, and passes nothing on either way (a store that stopped
+    answering: a process stopped, a machine overloaded). Real sockets, real bytes."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.target)
+            self.sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pass, args=(source, sink), daemon=True).start()
+
+    def _pass(self, source: socket.socket, sink: socket.socket) -> None:
+        while True:
+            try:
+                data = source.recv(2**16)
+                self.flowing.wait()  # paused: the bytes wait here, and the next ones in the sockets
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def pause(self) -> None:
+        self.flowing.clear()
+
+    def resume(self) -> None:
+        self.flowing.set()
+
+    def close(self) -> None:
+        self.flowing.set()
+        for sock in self.sockets:
+            sock.close()
+
+
+@contextmanager
+def relayed(env: dict[str, str]) -> Iterator[Relay]:
+    """The server of ``env`` reached through a :class:`Relay` (``AWS_ENDPOINT_URL`` names it in the block)."""
+    host, port = env["AWS_ENDPOINT_URL"].removeprefix("http://").rsplit(":", 1)
+    relay = Relay((host, int(port)))
+    saved = os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
+    _forget_endpoints()
+    try:
+        yield relay
+    finally:
+        relay.close()
+        os.environ["AWS_ENDPOINT_URL"] = saved
+        _forget_endpoints()

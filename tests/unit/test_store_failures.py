@@ -5,15 +5,18 @@ machine (moto), stopped mid-run; a socket that accepts and never answers; a port
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec.config
 import pytest
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 
-from tests.support.object_store import s3, s3_server, server_down
+from tests.support.object_store import Relay, relayed, s3, s3_server, server_down
 from torchtitan_rng.checkpoint import integrity, layout
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import ModelState
@@ -86,6 +89,65 @@ def test_a_store_that_does_not_answer_fails_within_a_bounded_wait(monkeypatch: p
             folder.check()
         waited = time.monotonic() - started
     assert waited < 5 * 1 + 10, waited  # 5 sends of 1 s, s3fs's pauses between them (under 2 s), slack
+
+
+class _PauseWhileWriting:
+    """Save hooks: the store pauses once DCP writes the first save (its shard file open, the first item handed
+    to it), as a store paused in the middle of an upload."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay, self.first = relay, True
+
+    def at(self, point: str, step: int) -> None:
+        pass
+
+    def save_planner(self, step: int) -> DefaultSavePlanner | None:
+        if not self.first:
+            return None
+        self.first = False
+        relay = self.relay
+
+        class Pausing(DefaultSavePlanner):
+            def resolve_data(self, write_item: Any) -> Any:
+                relay.pause()
+                return super().resolve_data(write_item)
+
+        return Pausing()
+
+
+@pytest.mark.parametrize("linear", [64, 2048], ids=["small-body", "body-larger-than-the-sockets-hold"])
+def test_a_store_paused_during_the_first_save_fails_within_a_bounded_wait(monkeypatch: pytest.MonkeyPatch,
+                                                                         fresh_s3fs: None, linear: int) -> None:
+    """The run's first upload: once botocore waited without end for the store's go-ahead to send a body (a
+    small one), and a large body stalled once the store stopped taking it. Each now waits read_timeout (1 s
+    here) and is sent 5 times at most, as any request."""
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 1}})
+    with s3_server(f"first-save-{linear}") as env, relayed(env) as relay:
+        url = f"s3://first-save-{linear}/run/checkpoint"
+        manager = CheckpointManager(url, {"model": ModelState(torch.nn.Linear(linear, linear))}, interval=1,
+                                    hooks=_PauseWhileWriting(relay))
+        raised: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                manager.save(1)
+            except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+                raised.append(err)
+
+        started = time.monotonic()
+        saving = threading.Thread(target=save, daemon=True)
+        saving.start()
+        saving.join(timeout=120)  # a limit that turns the old hang into a failure, not a synchronisation
+        waited = time.monotonic() - started
+        assert not saving.is_alive(), "the save still waits for the paused store"
+        assert len(raised) == 1 and isinstance(raised[0], CheckpointError), raised
+        line = str(raised[0])
+        assert line.startswith(f"saving step 1 into {url} failed: ") and "\n" not in line, line
+        assert waited < 5 * (1 + 2) + 10, waited  # 5 sends of 1 s (TCP's own give-up: 1 s), s3fs's pauses, slack
+        relay.resume()
+        assert layout.complete_steps(url) == []
+        manager.save(2)  # control: the store answers again, the run's next save goes through
+        assert layout.complete_steps(url) == [2]
 
 
 def test_a_missing_bucket_is_refused_not_created(tmp_path: Path, capsys: pytest.CaptureFixture,

@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import shutil
+import socket
 import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ _READ_CHUNK = 64 * 2**20  # a multiple of the checksum's block (integrity.BLOCK_
 # How long an S3 request waits for an answer (connecting, then each read), sent once by botocore: s3fs sends
 # it again on a timeout, 5 times in all, so a store that does not answer fails the run after about 5 x 15 s
 # (with botocore's own retries too, it took minutes). $FSSPEC_S3, fsspec's own configuration
-# ('{"config_kwargs": {"read_timeout": 300}}'), wins over these, key by key.
+# ('{"config_kwargs": {"read_timeout": 300}}'), wins over these, key by key. An upload waits as long for the
+# store to take its bytes (:func:`_bounded_uploads`).
 S3_ANSWER = {"config_kwargs": {"connect_timeout": 15, "read_timeout": 15, "retries": {"total_max_attempts": 1}}}
 # S3's rule for a bucket's name: 3-63 lowercase letters, digits, dots and hyphens, a letter or digit at each end.
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -427,7 +429,43 @@ def _options(protocol: str) -> dict[str, Any]:
     given = conf.get("s3", {})
     options["config_kwargs"].update(given.get("config_kwargs", {}))
     options.update({key: value for key, value in given.items() if key != "config_kwargs"})
+    _bounded_uploads(options)
     return options
+
+
+def _bounded_uploads(options: dict[str, Any]) -> None:
+    """Bound an upload's wait as ``read_timeout`` bounds a read: botocore sends ``Expect: 100-continue`` before
+    a body and aiohttp waits for the store's go-ahead without any timeout (a paused store hung a save for good),
+    and a body the store stops taking stalls the write, which no HTTP timeout covers. Without the header the
+    body goes at once; TCP_USER_TIMEOUT (Linux) ends a connection whose bytes stay unacknowledged or unsent that
+    long; s3fs then sends the request again, as after a read timeout."""
+    options.setdefault("session", _session_without_continue(
+        tuple(sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_")))))
+    user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+    config = options["config_kwargs"]
+    connector = dict(config.get("connector_args") or {})
+    if user_timeout is not None and "socket_factory" not in connector:
+        connector["socket_factory"] = functools.partial(_socket, int(float(config["read_timeout"]) * 1000))
+        config["connector_args"] = connector
+
+
+@functools.cache
+def _session_without_continue(environment: tuple[tuple[str, str], ...]) -> Any:
+    """An aiobotocore session without the header, one per AWS environment (a session keeps the credentials it
+    found first; s3fs keeps one filesystem per set of options)."""
+    from aiobotocore.session import AioSession
+    from botocore.handlers import add_expect_header
+
+    session = AioSession()
+    session.unregister("before-call.s3", add_expect_header)
+    return session
+
+
+def _socket(user_timeout_ms: int, addr_info: tuple[Any, ...]) -> socket.socket:
+    family, kind, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+    return sock
 
 
 def folder_location(where: Where) -> Location:
