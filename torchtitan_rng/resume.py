@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from torchtitan_rng import skips
-from torchtitan_rng.checkpoint import integrity, layout, run_record
+from torchtitan_rng.checkpoint import integrity, layout, owner, run_record
 from torchtitan_rng.checkpoint.manager import CheckpointManager, saves_at
 from torchtitan_rng.checkpoint.storage import Location, Where, checkpoint_folder, locate
 from torchtitan_rng.checkpoint.train_state import TrainState
@@ -95,6 +95,59 @@ def _dump_folder(config: JobConfig) -> str:
     return str(Path(config.job.dump_folder).resolve())
 
 
+def owner_of(config: JobConfig) -> str:
+    """What this run's checkpoint folder records as its owner (checkpoint/owner.py): its dump folder."""
+    return _dump_folder(config)
+
+
+def _moved(folder: Location, saved: str, dump: Path) -> str:
+    return (f"checkpoint folder {folder} belongs to the run of dump folder {saved}, which no longer exists: if this "
+            f"dump folder ({dump}) is that run, moved, pass --checkpoint.allow_config_change {_WRITTEN_BY_KEY} to "
+            "go on from its checkpoints here; otherwise give this run its own --checkpoint.folder")
+
+
+def _moves_with_dump(folder: Location, dump: Path) -> bool:
+    """A checkpoint folder inside the dump folder: moved with it, the same run's whatever its records say."""
+    return folder.local is not None and folder.local.resolve().is_relative_to(dump)
+
+
+def _judge_owner(config: JobConfig, folder: Location, holder: str | None) -> list[str]:
+    """Whether this run may save into ``folder``, which belongs to the run of dump folder ``holder``: refused
+    when that is another run (alive, or moved), a WARNING where checkpoint.allow_config_change hands it over."""
+    dump = Path(_dump_folder(config))
+    if holder is None or holder == str(dump) or _moves_with_dump(folder, dump):
+        return []
+    if _WRITTEN_BY_KEY in config.checkpoint.allow_config_change:
+        return [f"WARNING: checkpoint folder {folder} belonged to the run of dump folder {holder}; it belongs to "
+                f"this one ({dump}) from now on, as checkpoint.allow_config_change allows {_WRITTEN_BY_KEY}"]
+    if not Path(holder).exists():
+        raise CheckpointError(_moved(folder, holder, dump))
+    raise CheckpointError(f"checkpoint folder {folder} belongs to the run of dump folder {holder} (its "
+                          f"{owner.OWNER_NAME}), not this one ({dump}): two runs saving into one folder write over "
+                          "each other's checkpoints; give this run its own --checkpoint.folder, or resume that run "
+                          f"with --job.dump_folder {holder}")
+
+
+def check_owner(config: JobConfig) -> None:
+    """Refuse, before a run starts, a checkpoint folder that belongs to another run (nothing is written)."""
+    if config.checkpoint.enable:
+        folder = folder_of(config)
+        _judge_owner(config, folder, owner.owner_of(folder))
+
+
+def claim_folder(config: JobConfig) -> list[str]:
+    """Make the checkpoint folder this run's before its first save (the launcher, or rank 0 without one), or
+    refuse; returns the WARNING of a folder handed over (checkpoint.allow_config_change job.dump_folder)."""
+    if not config.checkpoint.enable:
+        return []
+    folder, dump = folder_of(config), _dump_folder(config)
+    holder = owner.claim(folder, dump)
+    said = _judge_owner(config, folder, holder)
+    if holder != dump:  # allowed: a moved run, or one handed over
+        owner.hand_over(folder, dump)
+    return said
+
+
 def refuse_another_runs(config: JobConfig, path: Where) -> list[str]:
     """A checkpoint of this run's checkpoint folder written from another dump folder (the folder is shared) is
     that run's: resuming it here would go on with its history in another loss log, and write into its
@@ -102,12 +155,13 @@ def refuse_another_runs(config: JobConfig, path: Where) -> list[str]:
     for a checkpoint folder inside the dump folder (moved with it) or a checkpoint given as initial_load_path."""
     folder, checkpoint = folder_of(config), locate(path)
     dump = Path(_dump_folder(config))
-    moves_with_dump = folder.local is not None and folder.local.resolve().is_relative_to(dump)
-    if checkpoint != folder / checkpoint.name or moves_with_dump:
+    if checkpoint != folder / checkpoint.name or _moves_with_dump(folder, dump):
         return []
     saved = (run_record.read_record(checkpoint) or {}).get(WRITTEN_BY)
     if not isinstance(saved, str) or saved == str(dump):
         return []
+    if not Path(saved).exists() and _WRITTEN_BY_KEY not in config.checkpoint.allow_config_change:
+        raise CheckpointError(_moved(folder, saved, dump))
     said = (f"checkpoint {checkpoint} was written by the run of dump folder {saved}, not this one ({dump}): "
             f"both keep checkpoints in {folder}")
     if _WRITTEN_BY_KEY in config.checkpoint.allow_config_change:

@@ -29,7 +29,7 @@ from torchtitan_rng.data.dataloader import shutdown_workers
 from torchtitan_rng.diagnosis.fingerprints import StreamProbe
 from torchtitan_rng.diagnosis.tensor_fingerprints import build_tensor_fingerprints
 from torchtitan_rng.distributed import StopVote, World, all_ranks_agree_any, init_distributed, on_rank_zero, teardown
-from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
+from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
 from torchtitan_rng.fault_injection import FaultInjector
 from torchtitan_rng.fault_points import hold_at
 from torchtitan_rng.launch import preflight, run_lock
@@ -85,6 +85,12 @@ class Trainer:
         _on_rank_zero(world, lambda: preflight.refuse_restart_over_history(config),
                       ConfigError("the dump folder already holds a run (rank 0 says more)"))
 
+        def claim() -> None:  # under the launcher, which claimed it, this finds the folder this run's
+            for line in resume.claim_folder(config):
+                self._log(line)
+
+        _on_rank_zero(world, claim, CheckpointError("the checkpoint folder belongs to another run (rank 0 says more)"))
+
         self.parts = parts = build_components(config, world)
         self.plan, self.train_state = parts.plan, parts.train_state  # the step lives in the train state
         if self.faults is not None:  # compiled code is built at its first call: in the step running then
@@ -105,6 +111,7 @@ class Trainer:
             hooks=self.faults,
             log=self._log,
             signing=resume.signing_of(config.checkpoint),
+            owner=resume.owner_of(config),
         )
         self.checkpointer.run_record = resume.build_record(config, parts.dataset)
         self._closing.callback(lambda: self.checkpointer.close(abandon=self._failed))

@@ -17,6 +17,7 @@ import pytest
 from tests.support.checks import assert_every_line_matches, float_bits
 from tests.support.launch import compare, together, train
 from torchtitan_rng.checkpoint.layout import complete_steps
+from torchtitan_rng.checkpoint.owner import OWNER_NAME
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 from torchtitan_rng.loss_log import read_loss_log
 
@@ -35,7 +36,9 @@ KILLS = [
 
 
 def _folders(dump: Path) -> list[str]:
-    return sorted(entry.name for entry in (dump / "checkpoint").iterdir()) if (dump / "checkpoint").is_dir() else []
+    """The checkpoint folder's entries but the run's owner record (written at its start)."""
+    folder = dump / "checkpoint"
+    return sorted(entry.name for entry in folder.iterdir() if entry.name != OWNER_NAME) if folder.is_dir() else []
 
 
 @pytest.fixture(scope="module")

@@ -209,11 +209,12 @@ def test_a_missing_signing_key_is_refused(store: dict) -> None:
 
 
 def test_another_dump_folder_on_the_runs_prefix_is_refused_naming_where_the_checkpoints_are(store: dict) -> None:
-    """run.json says which dump folder wrote a checkpoint: a second dump folder resuming the run's prefix is
+    """The prefix's owner.json says which run it belongs to: a second dump folder resuming the run's prefix is
     refused; one that does not checkpoint is told the checkpoints are on the store, not in its dump folder."""
     root = store["root"]
-    assert_refused(store["second"], f"checkpoint {RUN}/step-8 was written by the run of dump folder {root / 'run'}, "
-                   f"not this one ({root / 'second'}): both keep checkpoints in {RUN}")
+    assert_refused(store["second"], f"checkpoint folder {RUN} belongs to the run of dump folder {root / 'run'} (its "
+                   f"owner.json), not this one ({root / 'second'}): two runs saving into one folder write over each "
+                   "other's checkpoints")
     assert_refused(store["control"], f"checkpoint folder {RUN} already holds a run (checkpoints 6, 8) and "
                    "checkpoint.enable is off")
     assert sorted(s3().find(f"{BUCKET}/run/checkpoint")) == store["objects"]  # neither wrote anything

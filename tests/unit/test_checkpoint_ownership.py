@@ -5,7 +5,9 @@ folder, fsspec's in-memory store and a real S3-compatible server on this machine
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 from tests.support.object_store import s3, s3_server
 from torchtitan_rng import resume
-from torchtitan_rng.checkpoint import integrity, layout
+from torchtitan_rng.checkpoint import integrity, layout, owner
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import ModelState
 from torchtitan_rng.checkpoint.storage import checkpoint_folder, locate
@@ -130,6 +132,7 @@ def test_two_dump_folders_on_one_checkpoint_folder_are_refused_or_named(tmp_path
     checkpoint folder inside the dump folder (moved with it), go on."""
     shared = tmp_path / "shared_checkpoints"
     first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()  # the run that wrote the checkpoints is there (a moved one is named as such: below)
     config = _config(first, "--checkpoint.folder", f"file://{shared}")
     _save(shared, range(4, 5), record=resume.build_record(config, []))
     checkpoint = shared / "step-4"
@@ -171,3 +174,133 @@ def test_a_store_checkpoint_without_checksums_is_named_unsigned_and_unchecked() 
     warnings = vet(checkpoint, layout=lambda info: False, record=None).warnings
     assert warnings == [f"WARNING: checkpoint {checkpoint} is unsigned and unchecked: it has no checksums.json (its "
                         "checksums.json was removed or never written), so damage to its files cannot be detected"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def shared_folder(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A checkpoint folder two runs may name: an absolute local folder, or a prefix on a real S3 server."""
+    if request.param == "local":
+        yield str(tmp_path / "shared_checkpoints")
+        return
+    bucket = f"shared-{uuid.uuid4().hex[:12]}"
+    with s3_server(bucket):
+        yield f"s3://{bucket}/team/checkpoint"
+
+
+def _runs(tmp_path: Path, folder: str) -> tuple[Path, Path]:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    return first, second
+
+
+def test_a_checkpoint_folder_belongs_to_the_first_run_that_starts_with_it(
+        tmp_path: Path, shared_folder: str, capsys: pytest.CaptureFixture) -> None:
+    """Two fresh runs (two dump folders) name one checkpoint folder: the second is refused before it trains, with
+    the advice for a second run; the first goes on (the control)."""
+    first, second = _runs(tmp_path, shared_folder)
+    assert resume.claim_folder(_config(first, "--checkpoint.folder", shared_folder)) == []
+    folder = locate(shared_folder)
+    refusal = (f"checkpoint folder {folder} belongs to the run of dump folder {first} (its owner.json), not this one "
+               f"({second}): two runs saving into one folder write over each other's checkpoints; give this run its "
+               f"own --checkpoint.folder, or resume that run with --job.dump_folder {first}")
+    flags = ["--job.config_file", CONFIG, "--job.dump_folder", str(second), "--checkpoint.enable",
+             "--checkpoint.folder", shared_folder]
+    assert preflight.main(flags) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {refusal}"
+    with pytest.raises(CheckpointError) as err:
+        resume.claim_folder(_config(second, "--checkpoint.folder", shared_folder))
+    assert str(err.value) == refusal
+    assert resume.claim_folder(_config(first, "--checkpoint.folder", shared_folder)) == []  # its own, again
+    assert owner.owner_of(folder) == str(first)
+
+
+def test_runs_claiming_one_folder_at_once_find_one_owner(tmp_path: Path, shared_folder: str) -> None:
+    """Eight claims released together by a barrier: exactly one creates the record, and every one reads it."""
+    folder = locate(shared_folder)
+    start = threading.Barrier(8)
+    found: list[str] = []
+
+    def claim(number: int) -> None:
+        start.wait()
+        found.append(owner.claim(folder, f"/runs/{number}"))
+
+    threads = [threading.Thread(target=claim, args=(number,)) for number in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(found) == 8 and len(set(found)) == 1 and found[0] == owner.owner_of(folder)
+
+
+def test_a_second_saver_of_the_same_step_is_refused_and_the_first_checkpoint_stays_whole(
+        tmp_path: Path, shared_folder: str) -> None:
+    """Two runs' managers on one folder, each saving step 5: the second is refused at its save (a run whose start
+    did not claim the folder: checkpoint.enable off, a stop signal saves), the first's checkpoint is complete."""
+    model = {"model": ModelState(torch.nn.Linear(4, 4))}
+    one = CheckpointManager(shared_folder, model, interval=5, owner="/runs/first")
+    other = CheckpointManager(shared_folder, model, interval=5, owner="/runs/second")
+    one.save(5)
+    with pytest.raises(CheckpointError, match=r"^saving step 5 into .* refused: that folder belongs to the run of dump "
+                                              r"folder /runs/first \(owner.json\)"):
+        other.save(5)
+    checkpoint = locate(shared_folder) / "step-5"
+    assert layout.holds_step(checkpoint, 5) and integrity.verify_integrity(checkpoint)
+    one.save(10)  # control: the owner's next save goes through
+    assert layout.complete_steps(shared_folder) == [5, 10]
+
+
+class _AnotherWriter:
+    """Save hooks: between the save's completion and its report, another process removes the step's index (as a
+    second run clearing "its" unfinished save did)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def at(self, point: str, step: int) -> None:
+        if point == "save_renamed":
+            (locate(self.folder) / f"step-{step}" / layout.METADATA_NAME).remove()
+
+    def save_planner(self, step: int) -> None:
+        return None
+
+
+def test_a_save_is_never_reported_for_a_step_it_did_not_leave_complete(tmp_path: Path, shared_folder: str) -> None:
+    said: list[str] = []
+    manager = CheckpointManager(shared_folder, {"model": ModelState(torch.nn.Linear(4, 4))}, interval=1,
+                                log=said.append, hooks=_AnotherWriter(shared_folder))
+    with pytest.raises(CheckpointError, match=r"^saving step 1 into .* failed: .*/step-1 is not complete after the "
+                                              r"save \(no \.metadata or complete\.json of step 1\): another process "
+                                              "writes into this folder"):
+        manager.save(1)
+    assert not any("saved" in line for line in said), said
+    _save(f"{shared_folder}/control", range(1, 2))  # control: the same save, untouched, reports and counts
+    assert layout.complete_steps(f"{shared_folder}/control") == [1]
+
+
+def test_a_moved_run_folder_is_named_as_moved_and_goes_on_where_allowed(tmp_path: Path) -> None:
+    """A dump folder whose checkpoint folder is a symlink to an absolute folder, moved: one run, moved (its
+    records name the old place); the documented way on hands the folder over, with a WARNING."""
+    dump, disk = tmp_path / "run", tmp_path / "disk" / "run"
+    dump.mkdir()
+    disk.mkdir(parents=True)
+    (dump / "checkpoint").symlink_to(disk)
+    config = _config(dump)
+    assert resume.claim_folder(config) == []
+    _save(resume.folder_of(config), range(5, 6), record=resume.build_record(config, []))
+    moved = tmp_path / "moved"
+    dump.rename(moved)
+    with pytest.raises(CheckpointError) as err:
+        resume.check_owner(_config(moved))
+    assert str(err.value) == (f"checkpoint folder {disk} belongs to the run of dump folder {dump}, which no longer "
+                              f"exists: if this dump folder ({moved}) is that run, moved, pass "
+                              "--checkpoint.allow_config_change job.dump_folder to go on from its checkpoints here; "
+                              "otherwise give this run its own --checkpoint.folder")
+    allowed = _config(moved, "--checkpoint.allow_config_change", "job.dump_folder")
+    said = resume.claim_folder(allowed)
+    assert said == [f"WARNING: checkpoint folder {disk} belonged to the run of dump folder {dump}; it belongs to this "
+                    f"one ({moved}) from now on, as checkpoint.allow_config_change allows job.dump_folder"]
+    assert owner.owner_of(locate(disk)) == str(moved)
+    assert resume.claim_folder(_config(moved)) == []  # from now on its own
+    with pytest.raises(CheckpointError, match="which no longer exists: if this dump folder"):  # the checkpoint's
+        resume.refuse_another_runs(_config(moved), disk / "step-5")  # record still names the old place

@@ -279,6 +279,11 @@ def strangers(folder: Location) -> list[str]:
     return [name for name in folder.files() if not _OUR_FILES.match(name)]
 
 
+def holds_step(checkpoint: Location, step: int) -> bool:
+    """Whether ``checkpoint`` is the complete save of ``step``: DCP's index there, and the marker naming it."""
+    return _marked_step(checkpoint) == step and (checkpoint / METADATA_NAME).is_file()
+
+
 def _is_checkpoint(folder: Location) -> bool:
     """Whether ``folder`` itself is a complete checkpoint (whatever its name)."""
     return folder.is_dir() and (_marked_step(folder) is not None or completion(folder).complete_unmarked(folder))

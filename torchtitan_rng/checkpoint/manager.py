@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from torchtitan_rng.checkpoint import dcp_io, integrity, layout, run_record
+from torchtitan_rng.checkpoint import dcp_io, integrity, layout, owner, run_record
 from torchtitan_rng.errors import CheckpointError, disk_full, first_line
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.checkpoint.layout import CheckpointInfo
@@ -100,17 +100,20 @@ class CheckpointManager:
         hooks: test hooks called at named moments of a save; None in a normal run.
         log: where rank 0's "checkpoint saved" lines go; None: nowhere.
         signing: the key that signs each checkpoint's checksums (integrity.py); None: unsigned.
+        owner: the run ``folder`` belongs to (owner.py): the first save claims the folder for it, or is refused
+            when another run's; None: the folder is not claimed.
     """
 
     def __init__(self, folder: Where, parts: dict[str, Stateful], *, interval: int,
                  enable: bool = True, keep_latest_k: int = 0, rank: int = 0, async_mode: str = "disabled",
                  hooks: SaveHooks | None = None, log: Callable[[str], None] | None = None,
-                 signing: integrity.SigningKey | None = None) -> None:
+                 signing: integrity.SigningKey | None = None, owner: str | None = None) -> None:
         self.folder = folder_location(folder)
         self.completion = layout.completion(self.folder)  # how a save becomes complete there
         if enable:
             self.folder.check()
         self.signing = signing
+        self.owner = owner  # None once claimed
         self.parts = parts
         self.interval = interval
         self.enable = enable
@@ -145,6 +148,8 @@ class CheckpointManager:
 
     def _save(self, step: int, in_background: bool) -> Location:
         self.wait()
+        if self.rank == 0:
+            self._claim(step)
         # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not write.
         layout.refuse_overwrite(self.folder, [step])
         try:
@@ -179,6 +184,16 @@ class CheckpointManager:
         saved = layout.step_location(self.folder, step)
         self._say(f"checkpoint {saved} saved in {time.perf_counter() - started:.2f} s")
         return saved
+
+    def _claim(self, step: int) -> None:
+        if self.owner is None:
+            return
+        holder = owner.claim(self.folder, self.owner)
+        if holder != self.owner:
+            raise CheckpointError(f"saving step {step} into {self.folder} refused: that folder belongs to the run of "
+                                  f"dump folder {holder} ({owner.OWNER_NAME}), and two runs saving into one folder "
+                                  "write over each other's checkpoints: give this run its own checkpoint folder")
+        self.owner = None
 
     def _say(self, message: str) -> None:
         if self.log is not None:
@@ -241,6 +256,12 @@ class CheckpointManager:
         layout.write_marker(partial, step)  # last: from here on it counts (on an object store)
         self.completion.finish(self.folder, step)
         self._hook("save_renamed", step)
+        saved = layout.step_location(self.folder, step)
+        if not layout.holds_step(saved, step):  # never "saved" for what another process changed meanwhile
+            raise CheckpointError(f"saving step {step} into {self.folder} failed: {saved} is not complete after "
+                                  f"the save (no {layout.METADATA_NAME} or {layout.MARKER_NAME} of step {step}): "
+                                  "another process writes into this folder; give each run its own checkpoint "
+                                  "folder, then resume from the newest complete checkpoint")
         self._prune(step)
 
     def _prune(self, step: int) -> None:

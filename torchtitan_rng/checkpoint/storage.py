@@ -30,6 +30,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,11 @@ class Storage(ABC):
     @abstractmethod
     def write(self, path: str, data: bytes) -> None:
         """Write a whole file (its folder is created when needed)."""
+
+    @abstractmethod
+    def create(self, path: str, data: bytes) -> bool:
+        """Write a new file only where there is none (its folder is created when needed): False when one is
+        there. Of several processes creating one path at once, exactly one succeeds."""
 
     @abstractmethod
     def chunks(self, path: str) -> Iterator[Any]:
@@ -142,6 +148,20 @@ class LocalStorage(Storage):
     def write(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         Path(path).write_bytes(data)
+
+    def create(self, path: str, data: bytes) -> bool:
+        # Written aside, then linked into place: a reader never sees the file without its bytes, and link()
+        # fails where a file is.
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        aside = f"{path}.{os.getpid()}.{threading.get_ident()}.new"
+        Path(aside).write_bytes(data)
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(aside)
+        return True
 
     def chunks(self, path: str) -> Iterator[Any]:
         # Memory-mapped: the checksum sums the page cache in place, with no copy.
@@ -263,6 +283,14 @@ class FsspecStorage(Storage):
     def write(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)
 
+    @_answered
+    def create(self, path: str, data: bytes) -> bool:
+        try:  # a conditional write (S3: If-None-Match), which the store decides
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
     def chunks(self, path: str) -> Iterator[Any]:
         try:
             with self.fs.open(path, "rb", block_size=_READ_CHUNK) as file:
@@ -359,6 +387,10 @@ class Location:
 
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
+
+    def create_text(self, text: str) -> bool:
+        """Write ``text`` here only if nothing is (:meth:`Storage.create`)."""
+        return self.storage.create(self.path, text.encode())
 
     def chunks(self) -> Iterator[Any]:
         return self.storage.chunks(self.path)

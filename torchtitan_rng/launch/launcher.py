@@ -110,7 +110,7 @@ def _launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from torchtitan_rng import device
+    from torchtitan_rng import device, resume
     from torchtitan_rng.checkpoint import integrity
     from torchtitan_rng.config import as_flags, parse_args
     from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
@@ -135,6 +135,8 @@ def _launch(argv: list[str]) -> int:
         lock = run_lock.acquire(config.job.dump_folder) if single_node else None
         if lock is not None:  # after the lock: a run in progress is named as such, not as a history
             preflight.refuse_restart_over_history(config)
+            for line in resume.claim_folder(config):  # before any save, refused for another run's folder
+                print(line, flush=True)
         hold_at("launcher_locked")
     except TorchtitanRngError as err:
         if lock is not None:

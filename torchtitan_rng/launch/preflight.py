@@ -31,6 +31,7 @@ def check(config: JobConfig, world_size: int | None = None) -> Path | None:
     resume.signing_of(config.checkpoint)  # a key named but not set: refused before any save or load
     if config.checkpoint.enable:
         resume.folder_of(config).check()  # a bucket that does not exist, a store that does not answer
+        resume.check_owner(config)  # another run's checkpoint folder
     if world_size is not None:
         mode_of(config.parallelism).check_config(config, world_size)
     path = resume.checkpoint_to_resume(config)
