@@ -467,6 +467,12 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config training.global_batch_size = {global_batch} must be -1 (local x dp) or >= 1")
     if config.debug.perturb_rng:
         parse_perturb_rng(config.debug.perturb_rng)
+    if config.debug.fingerprint_modules_at_step and not config.debug.tensor_fingerprint:
+        raise ConfigError(f"config debug.fingerprint_modules_at_step = {config.debug.fingerprint_modules_at_step} "
+                          "records module calls into the tensor fingerprints, which are off: add "
+                          "--debug.tensor_fingerprint")
+    if not config.job.dump_folder.strip():
+        raise ConfigError("config job.dump_folder is empty: name a folder for the run (\".\" for the current one)")
     parse_skip_steps(config.training.skip_steps)
     if parse_spike_guard(config.training.spike_guard) and not (config.metrics.log_samples or config.data.streaming):
         raise ConfigError("config training.spike_guard records the samples of each step it skips: add "

@@ -49,3 +49,20 @@ def test_a_toml_nested_too_deep_is_one_line(tmp_path: Path, capsys: pytest.Captu
     config.write_text("[optimizer]\nlr = " + "[" * 5 + "]" * 5 + "\n")  # the control: shallow, a type error
     assert preflight.main(["--job.config_file", str(config)]) == 2
     assert "expected a number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--debug.fingerprint_modules_at_step", "3"],
+     "config debug.fingerprint_modules_at_step = 3 records module calls into the tensor fingerprints, which are off: "
+     "add --debug.tensor_fingerprint"),
+    (["--job.dump_folder", ""], 'config job.dump_folder is empty: name a folder for the run ("." for the current one)'),
+    (["--job.dump_folder", "  "], 'config job.dump_folder is empty: name a folder for the run ("." for the current one)'),
+])
+def test_a_setting_that_would_do_nothing_or_write_elsewhere_is_one_line(flags: list[str], line: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", CONFIG, *flags])
+    assert str(err.value) == line
+    # Controls: with the fingerprints on, the module step is taken; "." names the current folder.
+    assert parse_args(["--job.config_file", CONFIG, "--debug.fingerprint_modules_at_step", "3",
+                       "--debug.tensor_fingerprint"]).debug.fingerprint_modules_at_step == 3
+    assert parse_args(["--job.config_file", CONFIG, "--job.dump_folder", "."]).job.dump_folder == "."
