@@ -304,3 +304,31 @@ def test_a_moved_run_folder_is_named_as_moved_and_goes_on_where_allowed(tmp_path
     assert resume.claim_folder(_config(moved)) == []  # from now on its own
     with pytest.raises(CheckpointError, match="which no longer exists: if this dump folder"):  # the checkpoint's
         resume.refuse_another_runs(_config(moved), disk / "step-5")  # record still names the old place
+
+
+@pytest.mark.parametrize("kind", ["loop", "to-a-file", "file"])
+def test_a_checkpoint_folder_that_cannot_hold_checkpoints_is_refused_at_start(tmp_path: Path, kind: str,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    """DUMP/checkpoint a symlink loop, a link to a file, or a file: refused before the run trains, naming the link
+    (once it trained until its first save, then blamed step-N.partial). Control: a dangling link is a folder the
+    first save creates."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    link = dump / "checkpoint"
+    if kind == "loop":
+        link.symlink_to(link)
+        expected = f"checkpoint folder {link} is a symlink loop ({link} -> {link}), not a folder"
+    elif kind == "to-a-file":
+        (tmp_path / "notes.txt").write_text("a user's file")
+        link.symlink_to(tmp_path / "notes.txt")
+        expected = f"checkpoint folder {link} is a symlink to a file ({link} -> {tmp_path / 'notes.txt'}), not a folder"
+    else:
+        link.write_text("a user's file")
+        expected = f"checkpoint folder {link} is a file, not a folder"
+    flags = ["--job.config_file", CONFIG, "--job.dump_folder", str(dump), "--checkpoint.enable"]
+    assert preflight.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {expected}: ") and "Traceback" not in err, err
+    link.unlink()
+    link.symlink_to(tmp_path / "disk" / "run")  # the control: nothing there yet
+    assert preflight.main(flags) == 0

@@ -23,6 +23,7 @@ DCP's readers and writers for each storage are dcp_io.py's.
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import mmap
 import os
@@ -192,6 +193,23 @@ class LocalStorage(Storage):
 
     def display(self, path: str) -> str:
         return path
+
+    def check(self, folder: str) -> None:
+        """A checkpoint folder that is there must be a folder: a file, a symlink loop or a link to a file would
+        fail only at the first save, hours in."""
+        kind = self.kind(folder)
+        if kind == "file":
+            raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder: move it away, or pass "
+                                  "another --checkpoint.folder")
+        if kind == "other":
+            try:
+                os.stat(folder)
+                what = "a symlink to a file" if os.path.islink(folder) else "a special file"
+            except OSError as err:
+                what = "a symlink loop" if err.errno == errno.ELOOP else f"unreadable ({err.strerror})"
+            link = f" ({folder} -> {os.readlink(folder)})" if os.path.islink(folder) else ""
+            raise CheckpointError(f"checkpoint folder {folder} is {what}{link}, not a folder: point it at a folder, "
+                                  "or pass another --checkpoint.folder")
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -505,7 +523,10 @@ def folder_location(where: Where) -> Location:
     checkpoints are (``DUMP/checkpoint -> /bigger/disk/run1``); nothing below it ever is."""
     folder = locate(where)
     if folder.local is not None and folder.local.is_symlink():
-        return locate(Path(os.path.realpath(folder.local)))
+        target = Path(os.path.realpath(folder.local))
+        if target.is_dir() or not os.path.lexists(target):  # a folder, or one the first save creates
+            return locate(target)
+        # A loop, or a link to a file: kept as the link, which check() names.
     return folder
 
 
