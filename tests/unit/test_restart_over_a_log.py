@@ -64,3 +64,33 @@ def test_checkpointing_does_not_append_a_new_run_to_another_runs_log(tmp_path: P
 ], ids=["crash-before-first-save", "crash-in-first-save", "resume"])
 def test_a_runs_own_history_goes_on(tmp_path: Path, last_step: int, checkpoint: int | None, cut: bool) -> None:
     preflight.refuse_restart_over_history(_config(_dump(tmp_path, last_step, checkpoint, cut), "--checkpoint.enable"))
+
+
+def _prints(dump: Path, last_step: int) -> None:
+    """Tensor fingerprints of steps 1..last_step in the dump folder (a run of one process)."""
+    folder = dump / "tensor_fingerprints"
+    folder.mkdir(parents=True)
+    (folder / "rank0.jsonl").write_text("".join(json.dumps({"step": step, "world_size": 1}) + "\n"
+                                                for step in range(1, last_step + 1)))
+
+
+def test_another_runs_tensor_fingerprints_are_a_history_too(tmp_path: Path) -> None:
+    """A reused dump folder whose loss log and checkpoints were removed, its tensor_fingerprints/ left: a fresh
+    start would have compare_losses read them as its own."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    _prints(dump, 10)
+    with pytest.raises(ConfigError) as err:
+        preflight.refuse_restart_over_history(_config(dump, "--checkpoint.enable"))
+    assert str(err.value) == (f"dump folder {dump} holds tensor fingerprints (tensor_fingerprints/) up to step 10 "
+                              "and no checkpoint to resume from, so this run would start again from step 1 and "
+                              "append a second run to that log: pass another --job.dump_folder (or move this one "
+                              "away) to start afresh")
+    with pytest.raises(ConfigError) as err:
+        preflight.refuse_restart_over_history(_config(dump))
+    assert str(err.value).startswith(f"dump folder {dump} already holds a run (tensor_fingerprints/) and "
+                                     "checkpoint.enable is off") and "it holds no checkpoint to resume" in str(err.value)
+    again = tmp_path / "redo"
+    again.mkdir()
+    _prints(again, 2)  # the control: killed before its first save (step 5), the same run redone
+    preflight.refuse_restart_over_history(_config(again, "--checkpoint.enable"))

@@ -15,6 +15,8 @@ from typing import Any
 from torchtitan_rng import resume, signals
 from torchtitan_rng.checkpoint.layout import complete_steps
 from torchtitan_rng.config import Checkpoint, JobConfig, as_flags, parse_args
+from torchtitan_rng.diagnosis.fingerprint_files import read_rank_files
+from torchtitan_rng.diagnosis.locator import FOLDER as PRINTS_FOLDER
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report
 from torchtitan_rng.loss_log import LossLogError, loss_log_path, read_loss_log_file
 from torchtitan_rng.models import get_train_spec
@@ -65,17 +67,22 @@ def refuse_restart_over_history(config: JobConfig) -> None:
     log = loss_log_path(dump)
     records = _log_to_append_to(log)
     logged = log.is_file() and log.stat().st_size > 0
+    # The tensor fingerprints are history too: another run's, left behind, would be read as this run's.
+    prints = read_rank_files(dump / PRINTS_FOLDER)
+    printed = max(prints[0], default=0) if prints is not None else None
     if config.checkpoint.enable:
-        if logged and not config.checkpoint.initial_load_path:
-            _refuse_new_run_into_log(config, dump, max(records, default=0))
+        if (logged or printed is not None) and not config.checkpoint.initial_load_path:
+            _refuse_new_run_into_log(config, dump, max(records, default=0), printed or 0)
         return
     folder = resume.folder_of(config)
     steps = complete_steps(folder)
     # Checkpoints kept elsewhere (a URL, an absolute folder) are named where they are.
     inside = folder.local is not None and folder.local.resolve().is_relative_to(dump.resolve())
-    holder = f"dump folder {dump}" if logged or inside else f"checkpoint folder {folder}"
-    where = f" in {folder}" if logged and not inside else ""
-    held = ([log.name] if logged else []) + ([f"checkpoints {', '.join(map(str, steps))}{where}"] if steps else [])
+    in_dump = logged or printed is not None
+    holder = f"dump folder {dump}" if in_dump or inside else f"checkpoint folder {folder}"
+    where = f" in {folder}" if in_dump and not inside else ""
+    held = ([log.name] if logged else []) + ([f"{PRINTS_FOLDER}/"] if printed is not None else []) + \
+        ([f"checkpoints {', '.join(map(str, steps))}{where}"] if steps else [])
     if held:
         resume_it = "add --checkpoint.enable to resume it, or " if steps else "it holds no checkpoint to resume: "
         raise ConfigError(
@@ -98,15 +105,18 @@ def _log_to_append_to(log: Path) -> dict[int, dict[str, Any]]:
                            "run the same command again") from None
 
 
-def _refuse_new_run_into_log(config: JobConfig, dump: Path, last: int) -> None:
-    """With --checkpoint.enable and nothing to resume, a loss log past step ``checkpoint.interval`` (where this
-    run saves first, and flushes the log before) is another run's: appending to it would mix two runs, which
-    compare_losses (later lines win) could not tell apart from one. ``last``: the log's highest step."""
+def _refuse_new_run_into_log(config: JobConfig, dump: Path, logged: int, printed: int) -> None:
+    """With --checkpoint.enable and nothing to resume, a loss log (or tensor fingerprints) past step
+    ``checkpoint.interval`` (where this run saves first, and flushes both before) is another run's: appending to
+    it would mix two runs, which compare_losses (later lines win) could not tell apart from one. ``logged``,
+    ``printed``: the highest step of each (0: none)."""
     if complete_steps(resume.folder_of(config)):
         return  # a resume: it appends to its own history
+    last = max(logged, printed)
+    what = "a loss log" if logged == last else f"tensor fingerprints ({PRINTS_FOLDER}/)"
     if last > config.checkpoint.interval:
         raise ConfigError(
-            f"dump folder {dump} holds a loss log up to step {last} and no checkpoint to resume from, so this run "
+            f"dump folder {dump} holds {what} up to step {last} and no checkpoint to resume from, so this run "
             "would start again from step 1 and append a second run to that log: pass another --job.dump_folder "
             "(or move this one away) to start afresh"
         )
