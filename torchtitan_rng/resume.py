@@ -128,10 +128,21 @@ def _judge_owner(config: JobConfig, folder: Location, holder: str | None) -> lis
                           f"with --job.dump_folder {holder}")
 
 
+def _refuse_inside_a_checkpoint(folder: Location) -> None:
+    inside = layout.enclosing_checkpoint(folder)
+    if inside is not None:
+        where = "is" if inside == folder else "is inside"
+        raise CheckpointError(f"checkpoint folder {folder} {where} the complete checkpoint {inside}: this run's steps "
+                              "would be written into that checkpoint; pass the folder that holds checkpoints, not "
+                              f"one of them (or --checkpoint.initial_load_path {inside} to start from it)")
+
+
 def check_owner(config: JobConfig) -> None:
-    """Refuse, before a run starts, a checkpoint folder that belongs to another run (nothing is written)."""
+    """Refuse, before a run starts, a checkpoint folder that belongs to another run, or lies inside a checkpoint
+    (nothing is written)."""
     if config.checkpoint.enable:
         folder = folder_of(config)
+        _refuse_inside_a_checkpoint(folder)
         _judge_owner(config, folder, owner.owner_of(folder))
 
 
@@ -141,6 +152,7 @@ def claim_folder(config: JobConfig) -> list[str]:
     if not config.checkpoint.enable:
         return []
     folder, dump = folder_of(config), _dump_folder(config)
+    _refuse_inside_a_checkpoint(folder)
     holder = owner.claim(folder, dump)
     said = _judge_owner(config, folder, holder)
     if holder != dump:  # allowed: a moved run, or one handed over

@@ -332,3 +332,26 @@ def test_a_checkpoint_folder_that_cannot_hold_checkpoints_is_refused_at_start(tm
     link.unlink()
     link.symlink_to(tmp_path / "disk" / "run")  # the control: nothing there yet
     assert preflight.main(flags) == 0
+
+
+@pytest.mark.parametrize("below", ["", "/more"], ids=["the-checkpoint", "a-folder-inside-it"])
+def test_a_checkpoint_folder_inside_a_complete_checkpoint_is_refused(tmp_path: Path, shared_folder: str,
+                                                                     capsys: pytest.CaptureFixture, below: str) -> None:
+    """--checkpoint.folder s3://b/u/step-20 (another run's complete checkpoint, or a folder in it): refused at
+    start, instead of writing steps into that checkpoint; its files stay as they were."""
+    _save(shared_folder, range(20, 21))
+    checkpoint = locate(shared_folder) / "step-20"
+    before = sorted(checkpoint.files())
+    named = f"{shared_folder}/step-20{below}"
+    flags = ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.enable",
+             "--checkpoint.folder", named]
+    assert preflight.main(flags) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    where = "is" if not below else "is inside"
+    assert err == (f"error: checkpoint folder {locate(named)} {where} the complete checkpoint {checkpoint}: this "
+                   "run's steps would be written into that checkpoint; pass the folder that holds checkpoints, not "
+                   f"one of them (or --checkpoint.initial_load_path {checkpoint} to start from it)")
+    with pytest.raises(CheckpointError, match="would be written into that checkpoint"):
+        resume.claim_folder(_config(tmp_path / "new", "--checkpoint.folder", named))
+    assert sorted(checkpoint.files()) == before
+    assert preflight.main([*flags[:-1], shared_folder + "/next"]) == 0  # the control: beside it, not inside

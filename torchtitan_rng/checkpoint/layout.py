@@ -25,6 +25,7 @@ Errors name the parameters of the functions here (``load_step=``); the trainer w
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,6 +283,22 @@ def strangers(folder: Location) -> list[str]:
 def holds_step(checkpoint: Location, step: int) -> bool:
     """Whether ``checkpoint`` is the complete save of ``step``: DCP's index there, and the marker naming it."""
     return _marked_step(checkpoint) == step and (checkpoint / METADATA_NAME).is_file()
+
+
+def enclosing_checkpoint(folder: Where) -> Location | None:
+    """The complete checkpoint that ``folder`` is or lies inside (a checkpoint folder named there would write
+    steps into it); None when there is none."""
+    location = locate(folder)
+    path = location.path.rstrip("/")
+    while path:
+        candidate = Location(location.storage, path)
+        if _is_checkpoint(candidate):
+            return candidate
+        parent = os.path.dirname(path) if location.local is not None else path.rpartition("/")[0]
+        if parent == path:  # the root
+            return None
+        path = parent
+    return None
 
 
 def _is_checkpoint(folder: Location) -> bool:
