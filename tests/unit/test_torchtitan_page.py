@@ -75,15 +75,17 @@ def plugged_in(config: Any) -> list[str]:
     return apply_overrides(config.override, config)
 
 
-def test_turn_it_on_command_parses_and_swaps_the_checkpoint_manager(parse: Any) -> None:
-    [call] = recorded_calls(diff_command(PAGE))
-    config = parse(torchtitan_args(call))
-    assert config.checkpoint.enable
-    assert [line for line in plugged_in(config) if " checkpoint CheckpointManager.Config -> " in line], config.override
+def swaps_the_checkpoint_manager(config: Any) -> bool:
+    return any(" checkpoint CheckpointManager.Config -> " in line for line in plugged_in(config))
 
 
 @pytest.mark.parametrize("model", list(RECIPES))
 def test_recipe_commands_parse_seeded_with_the_plugin(parse: Any, model: str) -> None:
+    # "Turn it on": the one flag on a stock command.
+    [call] = recorded_calls(diff_command(PAGE))
+    turned_on = parse(torchtitan_args(call))
+    assert turned_on.checkpoint.enable and swaps_the_checkpoint_manager(turned_on), turned_on.override
+    # The recipe for this model.
     calls = recorded_calls(block_after(PAGE, RECIPES[model]))
     runs = [call for call in calls if call[0] == "torchrun"]
     assert len(runs) == 3, calls  # uninterrupted, stopped, resumed
@@ -92,8 +94,7 @@ def test_recipe_commands_parse_seeded_with_the_plugin(parse: Any, model: str) ->
     seeds = {config.debug.seed for config in configs}
     assert len(seeds) == 1 and None not in seeds, seeds
     assert all(config.model_spec.name == model and config.checkpoint.enable for config in configs)
-    assert all(any(" checkpoint CheckpointManager.Config -> " in line for line in plugged_in(config))
-               for config in configs)
+    assert all(swaps_the_checkpoint_manager(config) for config in configs)
     # The uninterrupted run and the stopped one (its stop, then its resume in the same folder) are compared.
     uninterrupted, stopped, resumed = configs
     assert stopped.dump_folder == resumed.dump_folder != uninterrupted.dump_folder
