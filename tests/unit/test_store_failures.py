@@ -143,7 +143,9 @@ def test_a_store_paused_during_the_first_save_fails_within_a_bounded_wait(monkey
         assert len(raised) == 1 and isinstance(raised[0], CheckpointError), raised
         line = str(raised[0])
         assert line.startswith(f"saving step 1 into {url} failed: ") and "\n" not in line, line
-        assert waited < 5 * (1 + 2) + 10, waited  # 5 sends of 1 s (TCP's own give-up: 1 s), s3fs's pauses, slack
+        # 5 sends, each given up after 1 s (an answer) or 1 s (TCP: bytes not taken), s3fs's pauses (2 s in all):
+        # about 12 s, with slack for a loaded machine; the hang this replaces never ended.
+        assert waited < 60, waited
         relay.resume()
         assert layout.complete_steps(url) == []
         manager.save(2)  # control: the store answers again, the run's next save goes through
