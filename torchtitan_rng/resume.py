@@ -155,7 +155,7 @@ def claim_folder(config: JobConfig) -> list[str]:
     _refuse_inside_a_checkpoint(folder)
     holder = owner.claim(folder, dump)
     said = _judge_owner(config, folder, holder)
-    if holder != dump:  # allowed: a moved run, or one handed over
+    if said:  # allowed: a run moved, or handed the folder over (one inside the dump folder is its run's anyway)
         owner.hand_over(folder, dump)
     return said
 
