@@ -106,16 +106,11 @@ def _moved(folder: Location, saved: str, dump: Path) -> str:
             "go on from its checkpoints here; otherwise give this run its own --checkpoint.folder")
 
 
-def _moves_with_dump(folder: Location, dump: Path) -> bool:
-    """A checkpoint folder inside the dump folder: moved with it, the same run's whatever its records say."""
-    return folder.local is not None and folder.local.resolve().is_relative_to(dump)
-
-
 def _judge_owner(config: JobConfig, folder: Location, holder: str | None) -> list[str]:
     """Whether this run may save into ``folder``, which belongs to the run of dump folder ``holder``: refused
     when that is another run (alive, or moved), a WARNING where checkpoint.allow_config_change hands it over."""
     dump = Path(_dump_folder(config))
-    if holder is None or holder == str(dump) or _moves_with_dump(folder, dump):
+    if holder is None or holder == str(dump) or owner.moves_with(folder, dump):
         return []
     if _WRITTEN_BY_KEY in config.checkpoint.allow_config_change:
         return [f"WARNING: checkpoint folder {folder} belonged to the run of dump folder {holder}; it belongs to "
@@ -167,7 +162,7 @@ def refuse_another_runs(config: JobConfig, path: Where) -> list[str]:
     for a checkpoint folder inside the dump folder (moved with it) or a checkpoint given as initial_load_path."""
     folder, checkpoint = folder_of(config), locate(path)
     dump = Path(_dump_folder(config))
-    if checkpoint != folder / checkpoint.name or _moves_with_dump(folder, dump):
+    if checkpoint != folder / checkpoint.name or owner.moves_with(folder, dump):
         return []
     saved = (run_record.read_record(checkpoint) or {}).get(WRITTEN_BY)
     if not isinstance(saved, str) or saved == str(dump):

@@ -355,3 +355,24 @@ def test_a_checkpoint_folder_inside_a_complete_checkpoint_is_refused(tmp_path: P
         resume.claim_folder(_config(tmp_path / "new", "--checkpoint.folder", named))
     assert sorted(checkpoint.files()) == before
     assert preflight.main([*flags[:-1], shared_folder + "/next"]) == 0  # the control: beside it, not inside
+
+
+def test_a_copied_run_folder_saves_into_its_own_checkpoints(tmp_path: Path) -> None:
+    """A dump folder copied elsewhere, its checkpoint folder inside it (owner.json naming the original): the copy's
+    start changes nothing there (it may yet be refused), its first save takes the folder over."""
+    import shutil
+
+    dump = tmp_path / "run"
+    dump.mkdir()
+    assert resume.claim_folder(_config(dump)) == []
+    model = {"model": ModelState(torch.nn.Linear(4, 4))}
+    CheckpointManager(dump / "checkpoint", model, interval=5, owner=str(dump)).save(5)
+    copy = tmp_path / "copy"
+    shutil.copytree(dump, copy)
+    config = _config(copy)
+    assert resume.claim_folder(config) == []
+    assert owner.owner_of(locate(copy / "checkpoint")) == str(dump)  # untouched at start
+    CheckpointManager(copy / "checkpoint", model, interval=5, owner=resume.owner_of(config)).save(10)
+    assert layout.complete_steps(copy / "checkpoint") == [5, 10]
+    assert owner.owner_of(locate(copy / "checkpoint")) == str(copy)
+    assert owner.owner_of(locate(dump / "checkpoint")) == str(dump)  # the original's stays its own

@@ -189,7 +189,9 @@ class CheckpointManager:
         if self.owner is None:
             return
         holder = owner.claim(self.folder, self.owner)
-        if holder != self.owner:
+        if holder != self.owner and owner.moves_with(self.folder, self.owner):  # a copied or moved run's own
+            owner.hand_over(self.folder, self.owner)
+        elif holder != self.owner:
             raise CheckpointError(f"saving step {step} into {self.folder} refused: that folder belongs to the run of "
                                   f"dump folder {holder} ({owner.OWNER_NAME}), and two runs saving into one folder "
                                   "write over each other's checkpoints: give this run its own checkpoint folder")

@@ -11,6 +11,7 @@ another dump folder (a run folder moved) replaces it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.errors import CheckpointError
@@ -46,6 +47,12 @@ def claim(folder: Location, dump_folder: str) -> str:
         if owner is not None:
             return owner
     return dump_folder
+
+
+def moves_with(folder: Location, dump_folder: str | Path) -> bool:
+    """Whether ``folder`` lies inside the dump folder (copied or moved with it): that run's, whatever a record
+    written before the move says."""
+    return folder.local is not None and folder.local.resolve().is_relative_to(dump_folder)
 
 
 def hand_over(folder: Location, dump_folder: str) -> None:
