@@ -28,6 +28,7 @@ from tests.support.launch import together, train
 from tests.support.object_store import s3, s3_server
 from torchtitan_rng import samples
 from torchtitan_rng.checkpoint import integrity, layout, run_record
+from torchtitan_rng.checkpoint.owner import OWNER_NAME
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 
 KEY_ENV = "TEST_CHECKPOINT_KEY"
@@ -231,7 +232,8 @@ def test_entries_the_run_did_not_write_are_never_followed_renamed_or_deleted(sto
     for name, what in (("step-999", "a symlink"), ("step-8", "a symlink"), ("step-9", "a symlink"),
                        ("step-7", "a file")):
         assert f"note: {folder / name} is {what}" in run.stdout
-    assert sorted(entry.name for entry in folder.iterdir()) == ["step-4", "step-7", "step-8", "step-9", "step-999"]
+    assert sorted(entry.name for entry in folder.iterdir()) == [OWNER_NAME, "step-4", "step-7", "step-8", "step-9",
+                                                                "step-999"]
     assert {name: os.readlink(folder / name) for name in store["links"]} == store["links"]
     assert (folder / "step-7").read_text() == "notes\n"
     # The other run's checkpoint behind step-999: still the one copied there.
