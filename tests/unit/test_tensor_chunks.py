@@ -1,0 +1,102 @@
+"""Tensor-split layers computed chunk by chunk (``parallel/invariant/chunks.py``): the same bits, forward and
+backward, whichever ranks hold the chunks (one process, 2 or 4 real gloo ranks), and the controls: another sum
+tree, or one matmul over the whole split dimension, differ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from torchtitan_rng.parallel.invariant.chunks import (ChunkPlacement, column_chunks, fan_out, gathered_chunks,
+                                                      row_chunks, tree_sum)
+
+CHUNKS, DIM, HIDDEN, VOCAB, ROWS = 4, 24, 40, 32, 6
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    """An input and the weights of a SwiGLU layer and an output layer, magnitudes over several decades (so that
+    the order of a sum shows in the bits)."""
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(ROWS, DIM, generator=g) * torch.logspace(-2, 2, DIM),
+            "gate": torch.randn(HIDDEN, DIM, generator=g), "up": torch.randn(HIDDEN, DIM, generator=g),
+            "down": torch.randn(DIM, HIDDEN, generator=g) * torch.logspace(-3, 3, HIDDEN),
+            "output": torch.randn(VOCAB, DIM, generator=g)}
+
+
+def _local(full: torch.Tensor, placement: ChunkPlacement, dim: int) -> torch.Tensor:
+    """This rank's chunks of a weight split along ``dim``."""
+    pieces = full.chunk(placement.chunks, dim=dim)
+    return torch.cat([pieces[c] for c in placement.local], dim=dim)
+
+
+def _run(placement: ChunkPlacement) -> dict[str, torch.Tensor]:
+    """Forward and backward of SwiGLU (gate, up column-split; down row-split) then a column-split output layer
+    gathered whole, with this rank's chunks: the output, the input's gradient and this rank's weight gradients."""
+    full = _tensors()
+    x = full["x"].clone().requires_grad_()
+    weights = {"gate": (0, full["gate"]), "up": (0, full["up"]), "down": (1, full["down"]), "output": (0, full["output"])}
+    params = {name: _local(w, placement, dim).requires_grad_() for name, (dim, w) in weights.items()}
+    inputs = fan_out(x, placement)
+    gates, ups = column_chunks(inputs, params["gate"], placement), column_chunks(inputs, params["up"], placement)
+    h = row_chunks([F.silu(g) * u for g, u in zip(gates, ups)], params["down"], placement)
+    logits = gathered_chunks(column_chunks(fan_out(h, placement), params["output"], placement), placement)
+    logits.logsumexp(-1).sum().backward()
+    return {"logits": logits.detach(), "h": h.detach(), "x.grad": x.grad,
+            **{f"{name}.grad": p.grad for name, p in params.items()}}
+
+
+def _whole(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' results as one process's: weight gradients put together along their split dimension."""
+    dims = {"gate.grad": 0, "up.grad": 0, "down.grad": 1, "output.grad": 0}
+    return {key: torch.cat([r[key] for r in results], dim=dims[key]) if key in dims else results[0][key]
+            for key in results[0]}
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    """All ``world`` ranks as one group (4 ranks: one chunk each), then in pairs (two chunks each)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {"all": _run(ChunkPlacement(CHUNKS, world, rank, dist.group.WORLD)),
+               "pair": _run(ChunkPlacement(CHUNKS, 2, rank % 2, pairs[rank // 2]))}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_chunked_layers_same_bits_forward_and_backward_for_every_placement_of_chunks(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    one = _run(ChunkPlacement(CHUNKS))
+    mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(4)]
+    for placed in (_whole([r["all"] for r in ranks]), _whole([r["pair"] for r in ranks[:2]]),
+                   _whole([r["pair"] for r in ranks[2:]])):
+        assert placed.keys() == one.keys()
+        for key in one:
+            assert torch.equal(_bits(placed[key]), _bits(one[key])), f"{key} differs"
+    for r in ranks:  # every rank holds the whole replicated values
+        assert torch.equal(_bits(r["all"]["x.grad"]), _bits(one["x.grad"]))
+        assert torch.equal(_bits(r["pair"]["logits"]), _bits(one["logits"]))
+
+
+def test_another_tree_or_one_matmul_over_the_split_dimension_differs() -> None:
+    """The controls: the same chunk partials summed left to right, or the row-split layer as one matmul, give
+    other bits than the fixed tree (so the equality above is the tree's, not luck)."""
+    torch.set_num_threads(1)
+    full = _tensors()
+    hidden = F.silu(F.linear(full["x"], full["gate"])) * F.linear(full["x"], full["up"])
+    inputs, weights = hidden.chunk(CHUNKS, dim=1), full["down"].chunk(CHUNKS, dim=1)
+    partials = [F.linear(x.contiguous(), w.contiguous()) for x, w in zip(inputs, weights)]
+    tree = tree_sum(partials)
+    left = ((partials[0] + partials[1]) + partials[2]) + partials[3]
+    assert torch.equal(_bits(tree), _bits((partials[0] + partials[1]) + (partials[2] + partials[3])))
+    assert not torch.equal(_bits(left), _bits(tree))
+    assert not torch.equal(_bits(F.linear(hidden, full["down"])), _bits(tree))
+    assert torch.allclose(left, tree, rtol=1e-4, atol=1e-3)  # the same sum, rounded otherwise
