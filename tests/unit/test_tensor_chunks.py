@@ -1,16 +1,24 @@
-"""Tensor-split layers computed chunk by chunk (``parallel/invariant/chunks.py``): the same bits, forward and
-backward, whichever ranks hold the chunks (one process, 2 or 4 real gloo ranks), and the controls: another sum
-tree, or one matmul over the whole split dimension, differ."""
+"""Tensor-split layers computed chunk by chunk (``parallel/invariant/chunks.py``, ``models/llama/chunked.py``):
+the same bits, forward and backward, whichever ranks hold the chunks (one process, 2 or 4 real gloo ranks), for
+the layers alone and for Llama with dropout; and the controls: another sum tree, or one matmul over the whole
+split dimension, or Llama unsplit, differ."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from torchtitan_rng.models.llama.chunked import split_llama_chunks
+from torchtitan_rng.models.llama.model import FLAVORS, Llama
+from torchtitan_rng.parallel.invariant.streams import ChunkStreams, MicroBatchStreams
 from torchtitan_rng.parallel.invariant.chunks import (ChunkPlacement, column_chunks, fan_out, gathered_chunks,
                                                       row_chunks, tree_sum)
 
@@ -56,13 +64,33 @@ def _whole(results: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             for key in results[0]}
 
 
+def _llama(placement: ChunkPlacement | None, mesh: Any = None) -> dict[str, torch.Tensor]:
+    """Llama's debug flavor (dropout on) split into this rank's chunks (None: not split), one micro-batch's
+    forward and backward with the mode's streams: its loss and every parameter's whole gradient."""
+    torch.manual_seed(0)
+    model = Llama(FLAVORS["debug"])
+    streams = MicroBatchStreams(seed=3)
+    if placement is not None:
+        split_llama_chunks(model, placement, ChunkStreams(3, torch.device("cpu")), mesh)
+    streams.hook_blocks([model.layers])
+    tokens = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(1))
+    streams.enter(step=1, slot=0)
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for name, p in model.named_parameters()}
+    return {"loss": loss.detach(), **grads}
+
+
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     """All ``world`` ranks as one group (4 ranks: one chunk each), then in pairs (two chunks each)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    results = {"all": _run(ChunkPlacement(CHUNKS, world, rank, dist.group.WORLD)),
-               "pair": _run(ChunkPlacement(CHUNKS, 2, rank % 2, pairs[rank // 2]))}
+    every, pairs = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    whole, pair = ChunkPlacement(CHUNKS, world, rank, every.get_group()), ChunkPlacement(CHUNKS, 2, rank % 2,
+                                                                                            pairs["tp"].get_group())
+    results = {"all": _run(whole), "pair": _run(pair), "llama all": _llama(whole, every),
+               "llama pair": _llama(pair, pairs["tp"])}
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -71,11 +99,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def test_chunked_layers_same_bits_forward_and_backward_for_every_placement_of_chunks(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Each of 4 gloo ranks' results: chunks over all 4 ranks, and over pairs of ranks."""
+    tmp_path = tmp_path_factory.mktemp("chunks")
+    mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
+    return [torch.load(tmp_path / f"out.{rank}") for rank in range(4)]
+
+
+def test_chunked_layers_same_bits_forward_and_backward_for_every_placement_of_chunks(
+        placed: list[dict[str, dict[str, torch.Tensor]]]) -> None:
     torch.set_num_threads(1)
     one = _run(ChunkPlacement(CHUNKS))
-    mp.spawn(_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=4)
-    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(4)]
+    ranks = placed
     for placed in (_whole([r["all"] for r in ranks]), _whole([r["pair"] for r in ranks[:2]]),
                    _whole([r["pair"] for r in ranks[2:]])):
         assert placed.keys() == one.keys()
@@ -84,6 +120,23 @@ def test_chunked_layers_same_bits_forward_and_backward_for_every_placement_of_ch
     for r in ranks:  # every rank holds the whole replicated values
         assert torch.equal(_bits(r["all"]["x.grad"]), _bits(one["x.grad"]))
         assert torch.equal(_bits(r["pair"]["logits"]), _bits(one["logits"]))
+
+
+def test_llama_split_into_chunks_same_loss_and_gradient_bits_on_1_2_and_4_ranks_unsplit_differs(
+        placed: list[dict[str, dict[str, torch.Tensor]]]) -> None:
+    """Heads and hidden features in 4 chunks, with attention dropout drawn per chunk: one process holding all
+    four, two ranks two each, four ranks one each give the same loss and gradients; the control, the same model
+    unsplit (one matmul per layer, the block's stream for the masks), differs."""
+    torch.set_num_threads(1)
+    one = _llama(ChunkPlacement(CHUNKS))
+    for r in placed:
+        for layout in ("llama all", "llama pair"):
+            assert r[layout].keys() == one.keys()
+            for key in one:
+                assert torch.equal(_bits(r[layout][key]), _bits(one[key])), f"{layout}: {key} differs"
+    unsplit = _llama(None)
+    assert not torch.equal(_bits(unsplit["loss"]), _bits(one["loss"]))
+    assert torch.allclose(unsplit["loss"], one["loss"], rtol=0.05)  # the same model: losses close, not equal
 
 
 def test_another_tree_or_one_matmul_over_the_split_dimension_differs() -> None:
