@@ -210,6 +210,10 @@ class Parallelism:
                                                   "parallelism.world_size_invariant (the only size that mode runs)")
     pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
                                                      "stages); empty: layers split evenly")
+    tensor_parallel_chunks: int = _key(4, "with parallelism.world_size_invariant: the chunks every tensor-split "
+                                       "dimension (attention heads, MLP hidden features) is computed in, at every "
+                                       "tensor-parallel degree, so that any degree dividing it gives the same bits "
+                                       "(the largest degree the run may use; docs/world_size_invariant.md)")
 
 
 @dataclass
@@ -267,6 +271,7 @@ _MINIMUMS: dict[str, float] = {
     "training.steps": 1,
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.tensor_parallel_chunks": 1,
     "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.models.llama.chunked import split_llama_chunks
 from torchtitan_rng.models.llama.model import FLAVORS, Llama
+from torchtitan_rng.parallel.invariant.reduction import norm_of, row_squares
 from torchtitan_rng.parallel.invariant.streams import ChunkStreams, MicroBatchStreams
 from torchtitan_rng.parallel.invariant.chunks import (ChunkPlacement, column_chunks, fan_out, gathered_chunks,
                                                       row_chunks, tree_sum)
@@ -70,8 +71,9 @@ def _llama(placement: ChunkPlacement | None, mesh: Any = None) -> dict[str, torc
     torch.manual_seed(0)
     model = Llama(FLAVORS["debug"])
     streams = MicroBatchStreams(seed=3)
+    split = []
     if placement is not None:
-        split_llama_chunks(model, placement, ChunkStreams(3, torch.device("cpu")), mesh)
+        split = split_llama_chunks(model, placement, ChunkStreams(3, torch.device("cpu")), mesh)
     streams.hook_blocks([model.layers])
     tokens = torch.randint(256, (2, 17), generator=torch.Generator().manual_seed(1))
     streams.enter(step=1, slot=0)
@@ -79,14 +81,19 @@ def _llama(placement: ChunkPlacement | None, mesh: Any = None) -> dict[str, torc
     loss.backward()
     grads = {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
              for name, p in model.named_parameters()}
-    return {"loss": loss.detach(), **grads}
+    params = list(model.parameters())
+    dims = {id(module.weight): dim for module, dim in split}
+    group = placement.group if placement is not None else None
+    norm = norm_of(row_squares(params, group, dims, placement))
+    return {"loss": loss.detach(), "norm": norm, **grads}
 
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     """All ``world`` ranks as one group (4 ranks: one chunk each), then in pairs (two chunks each)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    every, pairs = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    every = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     whole, pair = ChunkPlacement(CHUNKS, world, rank, every.get_group()), ChunkPlacement(CHUNKS, 2, rank % 2,
                                                                                             pairs["tp"].get_group())
     results = {"all": _run(whole), "pair": _run(pair), "llama all": _llama(whole, every),
@@ -122,10 +129,10 @@ def test_chunked_layers_same_bits_forward_and_backward_for_every_placement_of_ch
         assert torch.equal(_bits(r["pair"]["logits"]), _bits(one["logits"]))
 
 
-def test_llama_split_into_chunks_same_loss_and_gradient_bits_on_1_2_and_4_ranks_unsplit_differs(
+def test_llama_split_into_chunks_same_loss_gradient_and_norm_bits_on_1_2_and_4_ranks_unsplit_differs(
         placed: list[dict[str, dict[str, torch.Tensor]]]) -> None:
     """Heads and hidden features in 4 chunks, with attention dropout drawn per chunk: one process holding all
-    four, two ranks two each, four ranks one each give the same loss and gradients; the control, the same model
+    four, two ranks two each, four ranks one each give the same loss, gradients and gradient norm; the control, the same model
     unsplit (one matmul per layer, the block's stream for the masks), differs."""
     torch.set_num_threads(1)
     one = _llama(ChunkPlacement(CHUNKS))

@@ -78,6 +78,11 @@ class Layout(ABC):
         """The ranks that read different data (None: all)."""
         return None
 
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold this rank's part of the model between them (None: all)."""
+        return None
+
     @abstractmethod
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         """As :meth:`ParallelPlan.wrap`."""
@@ -132,6 +137,7 @@ class FlatLayout(Layout):
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         config = self.config
+        numerics.split_layers(model, spec, None)
         wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
         wrapping.apply_compile(model, spec, config.compile)
         numerics.hook_model(model, spec)

@@ -71,6 +71,10 @@ class Numerics(ABC):
         step's samples."""
 
     @classmethod
+    def check_split(cls, config: JobConfig) -> None:
+        """Raise ConfigError when these numerics cannot split the model's layers as ``config`` asks."""
+
+    @classmethod
     @abstractmethod
     def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
         """As :meth:`ParallelPlan.check_checkpoint`."""
@@ -98,6 +102,10 @@ class Numerics(ABC):
     @abstractmethod
     def casts_by_fsdp(self) -> bool:
         """Whether FSDP2's policy casts the parameters for compute (else autocast does, sharded or not)."""
+
+    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor_mesh: Any) -> None:
+        """Before checkpointing and compile wrap ``model`` (this rank's part of it): how its layers compute when
+        split over ``tensor_mesh`` (the tensor-parallel ranks; None: none)."""
 
     def hook_model(self, model: nn.Module, spec: TrainSpec) -> None:
         """After checkpointing and compile wrapped the blocks of ``model`` (this rank's part of it)."""

@@ -271,11 +271,15 @@ class StagedLayout(Layout):
     def data_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
 
+    @property
+    def stage_group(self) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group()
+
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.model_order = [name for name, _ in trainable]
         self.model_rows = [p.shape[0] if p.dim() else 1 for _, p in trainable]
-        modules = self._split_model(model, spec)
+        modules = self._split_model(model, spec, numerics)
         numerics.hook_model(model, spec)
         sharded = self.dp > 1
         if sharded:
@@ -288,7 +292,7 @@ class StagedLayout(Layout):
         self._build_schedule(modules, numerics)
         return spec.loss_fn
 
-    def _split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
+    def _split_model(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> list[nn.Module]:
         """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
         if spec.pipeline is None or spec.block_lists is None:
             raise ConfigError(_does_not_split(spec.name, self.pp))
@@ -300,6 +304,7 @@ class StagedLayout(Layout):
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
+        numerics.split_layers(model, spec, None)
         wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]

@@ -55,6 +55,7 @@ class Mode:
     def check_config(self, config: JobConfig, world_size: int) -> None:
         """Raise ConfigError when ``world_size`` processes cannot run this config in this mode."""
         self.layout.check_config(config, world_size, self.numerics)
+        self.numerics.check_split(config)
 
     def check_checkpoint(self, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
         """Whether this mode can continue ``info`` with ``world_size`` processes (None: not known yet): raises

@@ -99,10 +99,15 @@ class ChunkedFeedForward(nn.Module):
 
 
 def split_llama_chunks(model: nn.Module, placement: ChunkPlacement, streams: ChunkStreams,
-                       mesh: object | None) -> None:
+                       mesh: object | None) -> list[tuple[nn.Module, int]]:
     """Split every block ``model`` holds (a pipeline stage's placeholders skipped) into this rank's chunks, in
-    place; ``mesh``: the tensor-parallel ranks (None on one of them)."""
+    place; ``mesh``: the tensor-parallel ranks (None on one of them). Returns the split layers and the dimension
+    of their weight that is split."""
+    split: list[tuple[nn.Module, int]] = []
     for block in model.layers:
         if isinstance(getattr(block, "attn", None), Attention):
             block.attn = ChunkedAttention(block.attn, placement, streams, mesh)
             block.ffn = ChunkedFeedForward(block.ffn, placement, mesh)
+            split += [(block.attn.qkv, 0), (block.attn.out, 1), (block.ffn.gate, 0), (block.ffn.up, 0),
+                      (block.ffn.down, 1)]
+    return split

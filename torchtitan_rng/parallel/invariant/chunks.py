@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# The name of the mesh dimension whose ranks split the layers (the layouts name it so, as torchtitan does).
+TENSOR_DIM = "tp"
+
 
 @dataclass(frozen=True)
 class ChunkPlacement:

@@ -37,12 +37,13 @@ from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, Data, JobConfig, Parallelism, Training
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel.invariant import reduction, setup
+from torchtitan_rng.parallel.invariant.chunks import ChunkPlacement
 from torchtitan_rng.parallel.invariant.step import Slots, divide_grads, mean_loss_in_slot_order
-from torchtitan_rng.parallel.invariant.streams import MicroBatchStreams
+from torchtitan_rng.parallel.invariant.streams import ChunkStreams, MicroBatchStreams
 from torchtitan_rng.parallel.mode import RECORD_PART, InvariantRecord, check_checkpoint_mode
 from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
-from torchtitan_rng.train_spec import TrainSpec
+from torchtitan_rng.train_spec import TrainSpec, registered_specs
 
 if TYPE_CHECKING:
     from torchtitan_rng.parallel.layout import Layout
@@ -72,6 +73,8 @@ class DerivedNumerics(Numerics):
         self.slots: Slots | None = None  # set by batch_sampler(), which sees the dataset
         self.exchanges: list[reduction.SlotOrderExchange] = []  # one per FSDP2 module, when sharded
         self.streams = MicroBatchStreams(config.debug.seed)
+        self.placement = ChunkPlacement(1)  # the layers' tensor chunks (split_layers)
+        self.split_weights: list[tuple[nn.Module, int]] = []  # the split layers and their weight's split dimension
 
     @classmethod
     def check_stages(cls, parallelism: Parallelism, training: Training) -> None:
@@ -94,6 +97,18 @@ class DerivedNumerics(Numerics):
     @classmethod
     def check_data(cls, training: Training, data: Data, data_ranks: int, ranks: str) -> None:
         setup.check_batch_layout(training, data, data_ranks, ranks=ranks)
+
+    @classmethod
+    def check_split(cls, config: JobConfig) -> None:
+        """The model's split dimensions divide into ``parallelism.tensor_parallel_chunks`` chunks (a model without
+        tensor chunks ignores the key)."""
+        spec = registered_specs().get(config.model.name)
+        chunks = config.parallelism.tensor_parallel_chunks
+        if spec is None or spec.tensor_chunks is None or chunks == 1:  # a custom module's spec: checked when built
+            return
+        problem = spec.tensor_chunks.check(config, chunks)
+        if problem is not None:
+            raise ConfigError(f"{_FLAG}: {problem}")
 
     @classmethod
     def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
@@ -126,6 +141,20 @@ class DerivedNumerics(Numerics):
     @property
     def casts_by_fsdp(self) -> bool:
         return False
+
+    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor_mesh: Any) -> None:
+        """The model's split layers in ``parallelism.tensor_parallel_chunks`` chunks, this rank's of them when
+        ``tensor_mesh`` splits them (``chunks.py``); nothing when the model has no such split or the chunks are 1."""
+        chunks = self.config.parallelism.tensor_parallel_chunks
+        if spec.tensor_chunks is None or chunks == 1:
+            return
+        if tensor_mesh is None:
+            self.placement = ChunkPlacement(chunks)
+        else:
+            self.placement = ChunkPlacement(chunks, tensor_mesh.size(), tensor_mesh.get_local_rank(),
+                                            tensor_mesh.get_group())
+        self.split_weights += spec.tensor_chunks.apply(model, self.placement,
+                                                       ChunkStreams(self.config.debug.seed, self.device), tensor_mesh)
 
     def hook_model(self, model: nn.Module, spec: TrainSpec) -> None:
         """Reseed at each of ``model``'s blocks (a model without blocks draws from its micro-batch's stream
@@ -193,7 +222,8 @@ class DerivedNumerics(Numerics):
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
         """The norm from the same vector of row squares at every layout: each parameter's (gathered over its
         data shards), in the whole model's parameter order."""
-        parts = reduction.row_squares(params, self.data_ranks, layout.data_group)
+        split_dims = {id(module.weight): dim for module, dim in self.split_weights}
+        parts = reduction.row_squares(params, layout.stage_group, split_dims, self.placement)
         return reduction.clip_grads(params, max_norm, reduction.norm_of(layout.in_model_order(params, parts)))
 
     @contextlib.contextmanager
