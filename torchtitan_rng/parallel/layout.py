@@ -154,7 +154,8 @@ class FlatLayout(Layout):
 
     @classmethod
     def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
-        return data_parallel_degree(parallelism, world_size)
+        """Each tensor-parallel group one shard (the pipeline keys mean nothing without stages)."""
+        return world_size // parallelism.tensor_parallel_degree
 
     @classmethod
     def compared(cls, values: dict[str, Any], parallelism: Parallelism,
