@@ -16,10 +16,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests.support.launch import REPO
+from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.models.llama.chunked import split_llama_chunks
 from torchtitan_rng.models.llama.model import FLAVORS, Llama
 from torchtitan_rng.parallel.invariant.reduction import norm_of, row_squares
 from torchtitan_rng.parallel.invariant.streams import ChunkStreams, MicroBatchStreams
+from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.parallel.invariant.chunks import (ChunkPlacement, column_chunks, fan_out, gathered_chunks,
                                                       row_chunks, tree_sum)
 
@@ -160,3 +163,31 @@ def test_another_tree_or_one_matmul_over_the_split_dimension_differs() -> None:
     assert not torch.equal(_bits(left), _bits(tree))
     assert not torch.equal(_bits(F.linear(hidden, full["down"])), _bits(tree))
     assert torch.allclose(left, tree, rtol=1e-4, atol=1e-3)  # the same sum, rounded otherwise
+
+
+INVARIANT = ("--job.config_file", str(REPO / "train_configs" / "llama_debug.toml"), "--parallelism.world_size_invariant",
+             "--training.global_batch_size", "16", "--training.local_batch_size", "4")
+
+
+@pytest.mark.parametrize(("overrides", "processes", "fragment"), [
+    (("--parallelism.tensor_parallel_degree", "3"), 3, "parallelism.tensor_parallel_degree = 3 does not divide "
+     "parallelism.tensor_parallel_chunks = 4"),
+    (("--parallelism.tensor_parallel_chunks", "8"), 1, "does not divide the model's 4 attention heads"),
+    (("--parallelism.tensor_parallel_chunks", "3", "--model.flavor", "small"), 1,
+     "does not divide the model's 8 attention heads"),
+    (("--parallelism.tensor_parallel_chunks", "1", "--parallelism.tensor_parallel_degree", "2"), 2,
+     "parallelism.tensor_parallel_degree = 2 does not divide parallelism.tensor_parallel_chunks = 1"),
+])
+def test_what_cannot_be_invariant_is_refused_in_one_line(overrides: tuple[str, ...], processes: int,
+                                                         fragment: str) -> None:
+    config = parse_args([*INVARIANT, *overrides])
+    with pytest.raises(ConfigError) as refused:
+        mode_of(config.parallelism).check_config(config, processes)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--parallelism.world_size_invariant: ") and fragment in message, \
+        message
+    # The controls: 2 and 4 ranks split the default 4 chunks, and 2 chunks split the debug flavor.
+    for degree, chunks in ((2, 4), (4, 4), (2, 2)):
+        ok = parse_args([*INVARIANT, "--parallelism.tensor_parallel_degree", str(degree),
+                         "--parallelism.tensor_parallel_chunks", str(chunks)])
+        mode_of(ok.parallelism).check_config(ok, degree)

@@ -9,7 +9,7 @@ pytest.importorskip("torchtitan")
 
 
 def test_equal_mask_streams_say_nothing_and_python_streams_do_not_count() -> None:
-    from torchtitan_rng.integrations.torchtitan import tensor_parallel_mismatch
+    from torchtitan_rng.rng import tensor_parallel_mismatch
 
     same = {"torch_cpu": "a1", "device": "d1"}
     assert tensor_parallel_mismatch(2, [0, 1], [same, dict(same)]) is None
@@ -18,7 +18,7 @@ def test_equal_mask_streams_say_nothing_and_python_streams_do_not_count() -> Non
 
 
 def test_different_mask_streams_are_named_with_the_ranks_and_the_streams() -> None:
-    from torchtitan_rng.integrations.torchtitan import tensor_parallel_mismatch
+    from torchtitan_rng.rng import tensor_parallel_mismatch
 
     line = tensor_parallel_mismatch(4, [2, 3], [{"torch_cpu": "a1", "device": "d1"},
                                                 {"torch_cpu": "b2", "device": "d1"}])

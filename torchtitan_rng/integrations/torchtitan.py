@@ -25,7 +25,7 @@ torchtitan applies the override before it builds its components: the run's ``Che
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
   WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused);
 * at each save under tensor parallelism, a check that the ranks of each tensor-parallel group hold the same
-  mask streams (:func:`tensor_parallel_mismatch`), named in a WARNING line when they do not;
+  mask streams (``rng.group_mask_streams``), named in a WARNING line when they do not;
 * another process count or layout at a resume: the checkpoint's run record holds the layout it was saved
   with (process count and parallel degrees); rank 0 names both in one WARNING line with the rule each rank's
   streams follow (:func:`layout_change`): rank r restores the streams saved by rank r where the checkpoint
@@ -76,7 +76,7 @@ from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.loss_log import LossLogWriter, loss_log_path
 from torchtitan_rng import signals as checkpoint_signals
-from torchtitan_rng.rng import capture_global_rng, fingerprint, preserved_global_rng
+from torchtitan_rng.rng import group_mask_streams, preserved_global_rng
 
 check_tested_version("torchtitan")
 
@@ -217,25 +217,6 @@ def layout_change(saved_world: int, saved_layout: dict[str, int] | None, world: 
                 "the streams torchtitan seeded at start, as in a fresh run")
     return (f"torchtitan_rng: the checkpoint was saved by {describe_layout(saved_world, saved_layout)} and this run "
             f"has {describe_layout(world, layout)}: {rule}; this resume is not exact")
-
-
-# The streams a tensor-parallel group draws its dropout masks from: torch's CPU generator (DTensor's random ops
-# on a CPU mesh) and the accelerator's (which DTensor's random ops offset). Equal on every rank of the group while
-# its ranks draw alike (torchtitan seeds them alike); Python's and NumPy's streams do not draw masks.
-MASK_STREAMS = ("torch_cpu", "device")
-
-
-def tensor_parallel_mismatch(step: int, ranks: list[int], streams: list[dict[str, str]]) -> str | None:
-    """The WARNING line when the ranks of one tensor-parallel group (``ranks``, with the fingerprints of their
-    ``MASK_STREAMS``) hold different mask streams at a save; None when they are the same."""
-    differing = [name for name in MASK_STREAMS if len({rank_streams[name] for rank_streams in streams}) > 1]
-    if not differing:
-        return None
-    holders = "; ".join(f"rank {rank}: " + ", ".join(rank_streams[name] for name in differing)
-                        for rank, rank_streams in zip(ranks, streams))
-    return (f"torchtitan_rng: at step {step} the ranks of a tensor-parallel group hold different "
-            f"{' and '.join(differing)} random streams ({holders}): a dropout in a region they replicate draws "
-            "another mask on each rank; each rank's streams are saved as they are, so the resume stays exact")
 
 
 def saved_stream_ranks(keys: Any) -> int:
@@ -492,12 +473,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         their fingerprints); the group's first rank names a difference."""
         if self._tp_group is None:
             return
-        state = capture_global_rng(self.trainer.device)
-        mine = {name: fingerprint(state[name]) for name in MASK_STREAMS}
-        gathered: list[Any] = [None] * dist.get_world_size(self._tp_group)
-        dist.all_gather_object(gathered, mine, group=self._tp_group)
-        ranks = dist.get_process_group_ranks(self._tp_group)
-        line = tensor_parallel_mismatch(step, ranks, gathered)
+        ranks, line = group_mask_streams(step, self._tp_group, self.trainer.device)
         if self.streams.rank != ranks[0]:
             return
         if line is not None:

@@ -1,10 +1,8 @@
 """Llama's blocks split into tensor chunks, for the world-size-invariant mode (``parallel/invariant/chunks.py``):
 attention by heads (``qkv`` column-split, ``out`` row-split) and SwiGLU by hidden features (``gate`` and ``up``
 column-split, ``down`` row-split), in ``parallelism.tensor_parallel_chunks`` chunks at every tensor-parallel degree.
-The embedding, the norms and the output layer stay whole on every rank.
-
-``qkv``'s rows are stored chunk by chunk (chunk ``c``'s query, key and value heads together), so that a rank's
-chunks are one contiguous block of them at any degree; a checkpoint of this mode holds them so.
+The embedding, the norms and the output layer stay whole on every rank. ``qkv``'s rows are head-major (each
+head's query, key and value side by side), so a chunk of heads is one block of rows.
 """
 
 from __future__ import annotations
@@ -54,28 +52,23 @@ class ChunkedAttention(nn.Module):
                  mesh: object | None) -> None:
         super().__init__()
         self.qkv, self.out = attention.qkv, attention.out  # the same modules: the same parameter names
-        self.n_heads, self.dropout = attention.n_heads, attention.dropout
+        self.head_dim, self.dropout = attention.head_dim, attention.dropout
         self.placement, self.streams = placement, streams
-        with torch.no_grad():  # [q; k; v] -> chunk-major [q_0; k_0; v_0; q_1; ...]
-            weight = self.qkv.weight
-            dim = weight.shape[1]
-            weight.copy_(weight.view(3, placement.chunks, -1, dim).transpose(0, 1).reshape(-1, dim))
         _split(self.qkv, 0, placement, mesh)
         _split(self.out, 1, placement, mesh)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
         placement = self.placement
-        heads, head_dim = self.n_heads // placement.chunks, dim // self.n_heads
         dropout = self.dropout if self.training else 0.0
         stream = self.streams.per_chunk() if dropout > 0 else lambda c: contextlib.nullcontext()
         outputs = []
         for c, qkv in zip(placement.local, column_chunks(fan_out(x, placement), _local(self.qkv.weight), placement)):
-            q, k, v = qkv.view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             with stream(c):
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-            outputs.append(attn.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+            outputs.append(attn.transpose(1, 2).reshape(batch, seq, -1))
         return row_chunks(outputs, _local(self.out.weight), placement)
 
 

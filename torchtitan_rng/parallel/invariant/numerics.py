@@ -47,6 +47,7 @@ from torchtitan_rng.train_spec import TrainSpec, registered_specs
 
 if TYPE_CHECKING:
     from torchtitan_rng.parallel.layout import Layout
+    from torchtitan_rng.parallel.tensor import TensorDimension
 
 _FLAG = "--parallelism.world_size_invariant"
 # The schedules this mode refuses, and why: the order of a stage's gradient sum would not be slot order.
@@ -99,19 +100,29 @@ class DerivedNumerics(Numerics):
         setup.check_batch_layout(training, data, data_ranks, ranks=ranks)
 
     @classmethod
-    def check_split(cls, config: JobConfig) -> None:
-        """The model's split dimensions divide into ``parallelism.tensor_parallel_chunks`` chunks (a model without
-        tensor chunks ignores the key)."""
+    def check_tensor_parallel(cls, config: JobConfig) -> None:
+        """The model's split dimensions divide into ``parallelism.tensor_parallel_chunks`` chunks, and the chunks
+        into the tensor-parallel degree (a model without tensor chunks splits over no tensor-parallel ranks)."""
+        par = config.parallelism
+        chunks, degree = par.tensor_parallel_chunks, par.tensor_parallel_degree
         spec = registered_specs().get(config.model.name)
-        chunks = config.parallelism.tensor_parallel_chunks
-        if spec is None or spec.tensor_chunks is None or chunks == 1:  # a custom module's spec: checked when built
+        if spec is not None and spec.tensor_chunks is None:  # None: a custom module's spec, checked when built
+            if degree > 1:
+                raise ConfigError(f"{_FLAG}: model {spec.name!r} computes no layer in tensor chunks, so it splits "
+                                  "over no tensor-parallel ranks; set parallelism.tensor_parallel_degree to 1")
             return
-        problem = spec.tensor_chunks.check(config, chunks)
+        if chunks % degree:
+            counts = ", ".join(str(n) for n in range(1, chunks + 1) if chunks % n == 0)
+            raise ConfigError(f"{_FLAG}: parallelism.tensor_parallel_degree = {degree} does not divide "
+                              f"parallelism.tensor_parallel_chunks = {chunks} (every degree computes the same chunks); "
+                              f"use a degree among {counts}, or more chunks (a new run: the chunks set the bits)")
+        problem = spec.tensor_chunks.check(config, chunks) if spec is not None and chunks > 1 else None
         if problem is not None:
             raise ConfigError(f"{_FLAG}: {problem}")
 
     @classmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
+    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None,
+                         tensor_parallel_degree: int = 1) -> bool:
         check_checkpoint_mode(info, invariant=True)
         return False  # any process count continues it exactly
 
@@ -142,10 +153,11 @@ class DerivedNumerics(Numerics):
     def casts_by_fsdp(self) -> bool:
         return False
 
-    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor_mesh: Any) -> None:
-        """The model's split layers in ``parallelism.tensor_parallel_chunks`` chunks, this rank's of them when
-        ``tensor_mesh`` splits them (``chunks.py``); nothing when the model has no such split or the chunks are 1."""
-        chunks = self.config.parallelism.tensor_parallel_chunks
+    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor: TensorDimension) -> None:
+        """The model's split layers in ``parallelism.tensor_parallel_chunks`` chunks at every degree, this rank's
+        of them when the layout's tensor-parallel dimension splits them (``chunks.py``); nothing when the model has
+        no such split or the chunks are 1 (then the degree is 1)."""
+        chunks, tensor_mesh = self.config.parallelism.tensor_parallel_chunks, tensor.mesh
         if spec.tensor_chunks is None or chunks == 1:
             return
         if tensor_mesh is None:
@@ -240,5 +252,5 @@ class DerivedNumerics(Numerics):
     def loads_dataloader(self) -> bool:
         return False
 
-    def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
+    def position_data(self, sampler: Any, step: int, saved_data_ranks: int | None, reseeded: bool) -> None:
         sampler.load_state_dict({"step": step, "slot": 0})
