@@ -212,6 +212,8 @@ class StagedLayout(Layout):
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
         self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
+        # The ranks of this rank's stages: its dp ranks, or with tensor parallelism its dp x tp ranks.
+        self._stage_group = self.dp_mesh.get_group() if tp == 1 else mesh["dp_shard", "tp"]._flatten().get_group()
         self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
@@ -282,7 +284,7 @@ class StagedLayout(Layout):
 
     @property
     def stage_group(self) -> dist.ProcessGroup:
-        return self.dp_mesh.get_group()
+        return self._stage_group
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
