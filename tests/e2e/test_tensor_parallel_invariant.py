@@ -1,7 +1,7 @@
 """Layout-free training with tensor parallelism (``--parallelism.world_size_invariant``, llama's heads and hidden
 features in 4 tensor chunks): the same loss log, bit for bit, at 1 process, tp 2, dp 2 x tp 2, and (slow tier)
-dp 2, dp 4 and pp 2 x tp 2, all against one reference; a run stopped on dp 2 x tp 2 and resumed on tp 2; and the
-control, the ordinary mode at tp 2 against tp 1, which differs. (Its pieces: tests/unit/test_tensor_chunks.py.)"""
+dp 2, dp 4 and pp 2 x tp 2, all against one reference; a run stopped on dp 2 x tp 2 and resumed on tp 2, and on
+one process; and the control, the ordinary mode at tp 2 against tp 1, which differs. (Its pieces: tests/unit/test_tensor_chunks.py.)"""
 
 from __future__ import annotations
 
@@ -27,16 +27,19 @@ CHECKPOINTED = ("--checkpoint.enable", "--checkpoint.interval", str(STOP))
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The reference on 1 process, tp 2, and dp 2 x tp 2 saving a checkpoint at step STOP, side by side; then
-    that checkpoint resumed on tp 2, and the ordinary mode's control at tp 1 and tp 2, side by side."""
+    that checkpoint resumed on tp 2 and on one process, and the ordinary mode's control at tp 1 and tp 2, side by
+    side."""
     root = tmp_path_factory.mktemp("tp_invariant")
-    dumps = {name: root / name for name in ("one", "tp2", "dp2_tp2", "resumed_tp2", "ordinary_tp1",
-                                            "ordinary_tp2")}
+    dumps = {name: root / name for name in ("one", "tp2", "dp2_tp2", "resumed_tp2", "resumed_one",
+                                            "ordinary_tp1", "ordinary_tp2")}
     together(lambda: train(dumps["one"], *INVARIANT),
              lambda: train(dumps["tp2"], *INVARIANT, TP, "2", nproc=2),
              lambda: train(dumps["dp2_tp2"], *INVARIANT, *CHECKPOINTED, TP, "2", nproc=4))
     name = f"step-{STOP}"
-    shutil.copytree(dumps["dp2_tp2"] / "checkpoint" / name, dumps["resumed_tp2"] / "checkpoint" / name)
+    for resumed in ("resumed_tp2", "resumed_one"):
+        shutil.copytree(dumps["dp2_tp2"] / "checkpoint" / name, dumps[resumed] / "checkpoint" / name)
     together(lambda: train(dumps["resumed_tp2"], *INVARIANT, *CHECKPOINTED, TP, "2", nproc=2),
+             lambda: train(dumps["resumed_one"], *INVARIANT, *CHECKPOINTED),
              lambda: train(dumps["ordinary_tp1"], *SHAPE),
              lambda: train(dumps["ordinary_tp2"], *SHAPE, TP, "2", nproc=2))
     return dumps
@@ -53,10 +56,12 @@ def test_same_bits_at_1_process_tp_2_and_dp_2_x_tp_2(runs: dict[str, Path]) -> N
     assert sorted(read_loss_log(runs["dp2_tp2"])) == list(range(1, STEPS + 1))
 
 
-def test_stopped_on_dp_2_x_tp_2_resumed_on_tp_2_same_bits(runs: dict[str, Path]) -> None:
-    """The 4-process checkpoint (its tensor-split weights sharded over dp and tp) continued by 2 processes."""
-    assert sorted(read_loss_log(runs["resumed_tp2"])) == list(range(STOP + 1, STEPS + 1))
-    _assert_same_bits(runs["one"], runs["resumed_tp2"], "--only-common-steps")
+def test_stopped_on_dp_2_x_tp_2_resumed_on_tp_2_and_on_1_process_same_bits(runs: dict[str, Path]) -> None:
+    """The 4-process checkpoint (its tensor-split weights sharded over dp and tp) continued by 2 processes
+    splitting the layers, and by one process holding them whole."""
+    for resumed in ("resumed_tp2", "resumed_one"):
+        assert sorted(read_loss_log(runs[resumed])) == list(range(STOP + 1, STEPS + 1))
+        _assert_same_bits(runs["one"], runs[resumed], "--only-common-steps")
 
 
 def test_control_ordinary_tensor_parallelism_differs_from_one_process(runs: dict[str, Path]) -> None:

@@ -128,8 +128,10 @@ class DerivedNumerics(Numerics):
 
     @classmethod
     def layout_keys(cls) -> tuple[str, ...]:
-        """How many processes, pipeline stages and which schedule: the same bits under every value."""
-        return ("parallelism.data_parallel_shard_degree", "parallelism.pipeline_parallel_degree",
+        """How many processes, tensor-parallel ranks, pipeline stages and which schedule: the same bits under
+        every value."""
+        return ("parallelism.data_parallel_shard_degree", "parallelism.tensor_parallel_degree",
+                "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_microbatch_size",
                 "parallelism.pipeline_parallel_split_points")
 
@@ -158,6 +160,9 @@ class DerivedNumerics(Numerics):
         of them when the layout's tensor-parallel dimension splits them (``chunks.py``); nothing when the model has
         no such split or the chunks are 1 (then the degree is 1)."""
         chunks, tensor_mesh = self.config.parallelism.tensor_parallel_chunks, tensor.mesh
+        if spec.tensor_chunks is None and tensor_mesh is not None:  # a custom module's spec, unchecked before
+            raise ConfigError(f"{_FLAG}: model {spec.name!r} computes no layer in tensor chunks, so it splits over "
+                              "no tensor-parallel ranks; set parallelism.tensor_parallel_degree to 1")
         if spec.tensor_chunks is None or chunks == 1:
             return
         if tensor_mesh is None:
