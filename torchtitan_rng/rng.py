@@ -281,7 +281,7 @@ def tensor_parallel_mismatch(step: int, ranks: list[int], streams: list[dict[str
         return None
     holders = "; ".join(f"rank {rank}: " + ", ".join(rank_streams[name] for name in differing)
                         for rank, rank_streams in zip(ranks, streams))
-    return (f"torchtitan_rng: at step {step} the ranks of a tensor-parallel group hold different "
+    return (f"at step {step} the ranks of a tensor-parallel group hold different "
             f"{' and '.join(differing)} random streams ({holders}): a dropout in a region they replicate draws "
             "another mask on each rank; each rank's streams are saved as they are, so the resume stays exact")
 
