@@ -9,7 +9,7 @@ on). One reference run per layout; everything else resumes from its checkpoint, 
   ``on_world_size_change reseed`` continued with the WARNING that names the rule the streams follow;
 * dp 2 x tp 2: resumed, every rank's stream fingerprints compared too (the two ranks of a tensor-parallel
   group equal, the two groups not);
-* pp 2 x tp 2: resumed.
+* pp 2 x tp 2 (the slow tier): resumed.
 """
 
 from __future__ import annotations
@@ -41,10 +41,16 @@ def _from_step_2(source: Path, dump: Path, *overrides: str, nproc: int,
                  "--checkpoint.load_step", "2", *overrides, nproc=nproc, check=check)
 
 
+def _resumed(dumps: dict[str, Path], layout: str) -> None:
+    train(dumps[layout], *STEPS, *CKPT, *LAYOUTS[layout], nproc=NPROC[layout])
+    _from_step_2(dumps[layout], dumps[f"{layout}_resumed"], *LAYOUTS[layout], nproc=NPROC[layout])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """tp 2 and dp 2 x tp 2 (the normal tier)."""
     folder = tmp_path_factory.mktemp("tensor_parallel")
-    names = (*LAYOUTS, *(f"{layout}_resumed" for layout in LAYOUTS), "control", "tp1", "tp1_resume", "reseeded")
+    names = ("tp", "tp_resumed", "dptp", "dptp_resumed", "control", "tp1", "tp1_resume", "reseeded")
     dumps = {name: folder / name for name in names}
     outputs: dict[str, object] = {}
 
@@ -62,21 +68,35 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                                                 nproc=2)),
         )
 
-    def resumed(layout: str) -> None:
-        train(dumps[layout], *STEPS, *CKPT, *LAYOUTS[layout], nproc=NPROC[layout])
-        _from_step_2(dumps[layout], dumps[f"{layout}_resumed"], *LAYOUTS[layout], nproc=NPROC[layout])
-
-    together(tp, lambda: train(dumps["tp1"], *STEPS), lambda: resumed("dptp"), lambda: resumed("pptp"))
+    together(tp, lambda: train(dumps["tp1"], *STEPS), lambda: _resumed(dumps, "dptp"))
     return {**dumps, **outputs}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resumed_from_step_2_equals_uninterrupted(runs: dict, layout: str) -> None:
+@pytest.fixture(scope="module")
+def staged_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """pp 2 x tp 2 (the slow tier)."""
+    folder = tmp_path_factory.mktemp("tensor_parallel_staged")
+    dumps = {name: folder / name for name in ("pptp", "pptp_resumed")}
+    _resumed(dumps, "pptp")
+    return dumps
+
+
+def _assert_resumed_equals_uninterrupted(runs: dict, layout: str) -> None:
     resumed = runs[f"{layout}_resumed"]
     assert sorted(read_loss_log(resumed)) == [3]
     result = compare(runs[layout], resumed, "--only-common-steps")
     assert result.returncode == 0, result.stdout
     assert_every_line_matches(runs[layout], resumed)
+
+
+@pytest.mark.parametrize("layout", ["tp", "dptp"])
+def test_resumed_from_step_2_equals_uninterrupted(runs: dict, layout: str) -> None:
+    _assert_resumed_equals_uninterrupted(runs, layout)
+
+
+@pytest.mark.slow
+def test_pp_by_tp_resumed_from_step_2_equals_uninterrupted(staged_runs: dict) -> None:
+    _assert_resumed_equals_uninterrupted(staged_runs, "pptp")
 
 
 def test_dp_by_tp_streams_of_every_rank_equal_after_the_resume_and_alike_within_a_group(runs: dict) -> None:
