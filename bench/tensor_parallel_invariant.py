@@ -1,4 +1,4 @@
-"""Benchmark 15: step time and memory of the world-size-invariant mode with tensor parallelism (layers computed in
+"""Benchmark 16: step time and memory of the world-size-invariant mode with tensor parallelism (layers computed in
 ``parallelism.tensor_parallel_chunks`` chunks, partials exchanged and summed by the chunk tree) vs the ordinary
 mode's tensor parallelism (torch's DTensor styles) at the same layout, tp 2 and dp 2 x tp 2 (targets:
 invariant/ordinary <= 1.25 in step time, <= 1.2 in memory).
@@ -54,7 +54,7 @@ def main() -> None:
             rows.append([layout, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
                          f"{median(times[True]) / median(times[False]):.3f}", "(target <= 1.25)",
                          f"**{memory[True] / memory[False]:.2f}** (target <= 1.2)"])
-    table(f"Benchmark 15: world-size-invariant vs ordinary tensor parallelism (llama {args.flavor}, one micro-batch "
+    table(f"Benchmark 16: world-size-invariant vs ordinary tensor parallelism (llama {args.flavor}, one micro-batch "
           f"of {args.local_batch} per data shard per step, {rounds} rounds x {steps} steps, ms/step per progress line "
           f"of {log_freq} steps; memory: rank 0's peak RSS on the CPU, allocated device memory on an accelerator)",
           ["layout", "mode", "fastest ms/step", "median ms/step", "min..max", "memory GiB"], rows)

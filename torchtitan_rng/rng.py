@@ -51,7 +51,8 @@ STREAMS: dict[str, Stream] = {
         Stream("model-init", "run", "shared", (), "the global torch generator while the model is built: "
                "identical initial weights on every rank"),
         Stream("training-streams", "run", "per rank", ("rank",), "the global streams of a fresh run (dropout, "
-               "Flux noise, timesteps and prompt dropout)"),
+               "Flux noise, timesteps and prompt dropout); rank: the data shard and stage, so the ranks of a "
+               "tensor-parallel group draw alike"),
         Stream("micro-batch", "run", "per micro-batch", ("step", "slot"), "world-size-invariant training: the "
                "global streams and registered generators before each micro-batch, the same at any process count"),
         Stream("micro-batch-layer", "run", "per micro-batch", ("step", "slot", "layer"), "world-size-invariant "
@@ -161,7 +162,8 @@ def seed_model_init(seed: int) -> None:
 
 
 def seed_training_streams(seed: int, rank: int) -> None:
-    """Per rank: the global streams a fresh run trains with (a resumed run restores them instead)."""
+    """Per rank: the global streams a fresh run trains with (a resumed run restores them instead). The trainer
+    passes its plan's ``stream_rank`` (the data shard and stage): the ranks of a tensor-parallel group alike."""
     _seed_global_streams(stream_seed("training-streams", seed, rank))
 
 
@@ -285,7 +287,7 @@ def tensor_parallel_mismatch(step: int, ranks: list[int], streams: list[dict[str
         return None
     holders = "; ".join(f"rank {rank}: " + ", ".join(rank_streams[name] for name in differing)
                         for rank, rank_streams in zip(ranks, streams))
-    return (f"torchtitan_rng: at step {step} the ranks of a tensor-parallel group hold different "
+    return (f"at step {step} the ranks of a tensor-parallel group hold different "
             f"{' and '.join(differing)} random streams ({holders}): a dropout in a region they replicate draws "
             "another mask on each rank; each rank's streams are saved as they are, so the resume stays exact")
 

@@ -477,7 +477,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         if self.streams.rank != ranks[0]:
             return
         if line is not None:
-            logger.warning(line)
+            logger.warning(f"torchtitan_rng: {line}")
         else:
             logger.info(f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks "
                         f"{', '.join(map(str, ranks))} are equal")
