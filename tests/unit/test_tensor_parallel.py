@@ -174,15 +174,17 @@ def _split_rank(rank: int, port: int, out: str) -> None:
         loss.backward()
         grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                  for name, p in model.named_parameters()}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # as the trainer clips
         results[split] = {"logits": logits.detach(), "loss": loss.detach(), "grads": grads,
+                          "norm": norm.full_tensor() if isinstance(norm, DTensor) else norm,
                           "split": sorted(name for name, p in model.named_parameters() if isinstance(p, DTensor))}
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_the_llama_plan_computes_the_models_logits_and_gradients(tmp_path: Path) -> None:
-    """Split over two ranks, the model gives (to float32 rounding) the logits, loss and every gradient it gives
-    whole, on both ranks, and every parameter is a DTensor (one mesh for FSDP2 and the norm); control: the whole
+    """Split over two ranks, the model gives (to float32 rounding) the logits, loss, every gradient and the
+    gradient norm it gives whole, on both ranks, and every parameter is a DTensor (one mesh for FSDP2 and the norm); control: the whole
     model's parameters are plain tensors, and a model with another weight would not be close."""
     mp.start_processes(_split_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in (0, 1):
@@ -191,6 +193,7 @@ def test_the_llama_plan_computes_the_models_logits_and_gradients(tmp_path: Path)
         assert whole["split"] == [] and len(split["split"]) == len(whole["grads"])
         torch.testing.assert_close(split["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(split["loss"], whole["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(split["norm"], whole["norm"], rtol=1e-5, atol=1e-6)  # replicas counted once
         for name, grad in whole["grads"].items():
             torch.testing.assert_close(split["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
         assert not torch.allclose(whole["logits"], whole["logits"] * 1.01, rtol=1e-5, atol=1e-5)

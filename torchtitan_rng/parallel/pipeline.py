@@ -208,7 +208,8 @@ class StagedLayout(Layout):
         self.dp = data_parallel_degree(config.parallelism, world.world_size)
         tp = config.parallelism.tensor_parallel_degree
         self.pp_rank, self.dp_rank = divmod(world.rank // tp, self.dp)
-        mesh = init_device_mesh(world.device.type, (self.pp, self.dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+        dims = {"pp": self.pp, "dp_shard": self.dp, **({"tp": tp} if tp > 1 else {})}  # no groups of one
+        mesh = init_device_mesh(world.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
         self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
