@@ -60,6 +60,11 @@ REFUSED_SCHEDULES = {
 }
 
 
+def _no_chunks(model: str) -> str:
+    return (f"{_FLAG}: model {model!r} computes no layer in tensor chunks, so it splits over no tensor-parallel "
+            "ranks; set parallelism.tensor_parallel_degree to 1")
+
+
 class DerivedNumerics(Numerics):
     """``parallelism.world_size_invariant``: one micro-batch per data shard per round of a step, streams derived
     per micro-batch and block, summed in slot order."""
@@ -108,8 +113,7 @@ class DerivedNumerics(Numerics):
         spec = registered_specs().get(config.model.name)
         if spec is not None and spec.tensor_chunks is None:  # None: a custom module's spec, checked when built
             if degree > 1:
-                raise ConfigError(f"{_FLAG}: model {spec.name!r} computes no layer in tensor chunks, so it splits "
-                                  "over no tensor-parallel ranks; set parallelism.tensor_parallel_degree to 1")
+                raise ConfigError(_no_chunks(spec.name))
             return
         if chunks % degree:
             counts = ", ".join(str(n) for n in range(1, chunks + 1) if chunks % n == 0)
@@ -161,8 +165,7 @@ class DerivedNumerics(Numerics):
         no such split or the chunks are 1 (then the degree is 1)."""
         chunks, tensor_mesh = self.config.parallelism.tensor_parallel_chunks, tensor.mesh
         if spec.tensor_chunks is None and tensor_mesh is not None:  # a custom module's spec, unchecked before
-            raise ConfigError(f"{_FLAG}: model {spec.name!r} computes no layer in tensor chunks, so it splits over "
-                              "no tensor-parallel ranks; set parallelism.tensor_parallel_degree to 1")
+            raise ConfigError(_no_chunks(spec.name))
         if spec.tensor_chunks is None or chunks == 1:
             return
         if tensor_mesh is None:
@@ -237,8 +240,9 @@ class DerivedNumerics(Numerics):
         return layout.share_loss(loss)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
-        """The norm from the same vector of row squares at every layout: each parameter's (gathered over its
-        data shards), in the whole model's parameter order."""
+        """The norm from the same vector of row squares at every layout: each parameter's (assembled over the
+        ranks that hold this rank's stages; a row of a weight split by input features summed chunk by chunk, then
+        by the chunk tree), in the whole model's parameter order."""
         split_dims = {id(module.weight): dim for module, dim in self.split_weights}
         parts = reduction.row_squares(params, layout.stage_group, split_dims, self.placement)
         return reduction.clip_grads(params, max_norm, reduction.norm_of(layout.in_model_order(params, parts)))
