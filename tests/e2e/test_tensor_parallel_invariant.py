@@ -82,3 +82,18 @@ def test_same_bits_at_dp_2_dp_4_and_pp_2_x_tp_2(runs: dict[str, Path], tmp_path:
              lambda: train(dumps["pp2_tp2"], *INVARIANT, *PP, TP, "2", nproc=4))
     for dump in dumps.values():
         _assert_same_bits(runs["one"], dump)
+
+
+@pytest.mark.slow
+def test_bf16_compile_and_ac_same_bits_at_1_process_and_tp_2(tmp_path: Path) -> None:
+    """The chunked layers with the features of real runs (bf16 autocast, torch.compile, selective activation
+    checkpointing) split over 2 ranks. Control: the same run in float32 differs, so bf16 was applied."""
+    features = ("--training.mixed_precision_param", "bfloat16", "--compile.enable",
+                "--activation_checkpoint.mode", "selective", "--training.steps", "2")
+    dumps = {name: tmp_path / name for name in ("one", "tp2", "float32")}
+    train(dumps["one"], *INVARIANT, *features)  # first: it fills inductor's cache for the others
+    together(lambda: train(dumps["tp2"], *INVARIANT, *features, TP, "2", nproc=2),
+             lambda: train(dumps["float32"], *INVARIANT, *features[2:]))
+    _assert_same_bits(dumps["one"], dumps["tp2"])
+    control = compare(dumps["one"], dumps["float32"])
+    assert control.returncode == 1 and control.stdout.startswith("first differing step 1:"), control.stdout
