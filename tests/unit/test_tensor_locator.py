@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
-from torchtitan_rng.diagnosis.locator import locate, locate_runs, prints_path, read_prints
+from torchtitan_rng.diagnosis.locator import TensorPrints, locate, prints_path, read_prints
 from torchtitan_rng.diagnosis.tensor_fingerprints import (TensorFingerprints, build_tensor_fingerprints, row_hashes,
                                                            tensor_hash)
 from torchtitan_rng.loss_log import LossLogError
@@ -233,8 +237,8 @@ def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
 def test_reports_for_runs_without_fingerprints(tmp_path: Path) -> None:
     with_prints = write(tmp_path / "a", synthetic())
     (tmp_path / "plain").mkdir()
-    assert locate_runs(tmp_path / "plain", tmp_path / "plain") == ("absent", [])
-    state, lines = locate_runs(with_prints, tmp_path / "plain")
+    assert TensorPrints(tmp_path / "plain", tmp_path / "plain").report() == ("absent", [])
+    state, lines = TensorPrints(with_prints, tmp_path / "plain").report()
     assert state == "absent" and lines[0].startswith("tensor fingerprints only in A: run both with "
                                                      "--debug.tensor_fingerprint")
     bad = prints_path(tmp_path / "bad", 0)
@@ -267,8 +271,14 @@ def test_compare_losses_names_the_tensor_and_keeps_its_exit_codes(tmp_path: Path
     assert capsys.readouterr().out.splitlines() == ["identical: 4 steps (1..4) with bitwise-equal losses"]
 
 
-def _bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
+def _weights(shape: tuple[int, ...]) -> list[int]:
+    """Each place's weight in a hash, measured: the hash of a tensor whose bits are 1 there and 0 elsewhere."""
+    weights = []
+    for index in range(math.prod(shape)):
+        one = torch.zeros(math.prod(shape), dtype=torch.int32)
+        one[index] = 1
+        weights.append(int(tensor_hash(one.view(torch.float32).reshape(shape))) % 2**32)
+    return weights
 
 
 def test_hashes_see_what_a_xor_misses() -> None:
@@ -276,13 +286,64 @@ def test_hashes_see_what_a_xor_misses() -> None:
     scaled = ones * 1.5
     # torch.hash_tensor XORs: an even count of equal elements cancels, before and after a uniform change.
     assert torch.hash_tensor(ones) == torch.hash_tensor(scaled) == 0
-    assert int(tensor_hash(ones)) % 2**32 == 8 * _bits(1.0) % 2**32 and tensor_hash(scaled) != tensor_hash(ones)
+    assert tensor_hash(scaled) != tensor_hash(ones)
+    # An exact weighted sum, modulo 2**32: each element's bits times its place's weight, every weight odd and
+    # every place's its own.
+    values = torch.randn(5, 4)
+    weights = _weights((5, 4))
+    assert all(weight % 2 == 1 for weight in weights) and len(set(weights)) == len(weights)
+    bits = values.view(torch.int32).flatten().tolist()
+    assert int(tensor_hash(values)) % 2**32 == sum(b * w for b, w in zip(bits, weights)) % 2**32
     nudged = ones.clone()
     nudged[3] = torch.nextafter(nudged[3], torch.tensor(2.0))
-    assert (int(tensor_hash(nudged)) - int(tensor_hash(ones))) % 2**32 == 1  # one ulp of one element
-    # Shards add up to the whole (a sharded tensor is hashed per rank), wrapping at 2**32.
-    whole = torch.randn(10, 3)
-    assert sum(int(tensor_hash(part)) for part in whole.chunk(3)) % 2**32 == int(tensor_hash(whole)) % 2**32
+    # One ulp of one element moves the hash by that place's (odd, so never vanishing) weight.
+    assert (int(tensor_hash(nudged)) - int(tensor_hash(ones))) % 2**32 == _weights((8,))[3]
+    assert int(tensor_hash(values.t())) == int(tensor_hash(values.t().contiguous()))  # places, not memory
+
+
+def test_hashes_see_a_permutation_inside_a_tensor() -> None:
+    square = torch.randn(6, 6)
+    moved = {
+        "transposed": square.t().contiguous(),
+        "rows permuted": square[torch.tensor([1, 0, 2, 3, 5, 4])],
+        "two elements of a row swapped": square[:, torch.tensor([1, 0, 2, 3, 4, 5])],
+        "bfloat16 transposed": square.bfloat16().t().contiguous(),
+    }
+    for name, tensor in moved.items():
+        original = square.bfloat16() if tensor.dtype == torch.bfloat16 else square
+        # The same elements (the plain sum of their bits cannot tell), in other places: the hash tells.
+        assert int(_plain_sum(tensor)) == int(_plain_sum(original)), name
+        assert int(tensor_hash(tensor)) != int(tensor_hash(original)), name
+    assert int(tensor_hash(square.clone())) == int(tensor_hash(square))  # the control: a copy hashes the same
+
+
+def _plain_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32).sum(dtype=torch.int32)
+
+
+_SHARDS = 2
+
+
+def _hash_shards(rank: int, folder: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=rank, world_size=_SHARDS)
+    mesh = init_device_mesh("cpu", (_SHARDS,))
+    whole = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    hashes = {f"Shard({dim})": int(tensor_hash(distribute_tensor(whole, mesh, [Shard(dim)]))) for dim in (0, 1)}
+    # The control: the local shard hashed as a tensor of its own (its places counted from 0, not in the whole).
+    hashes["local"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(0)]).to_local()))
+    (folder / f"rank{rank}.json").write_text(json.dumps(hashes))
+    dist.destroy_process_group()
+
+
+def test_shards_hashes_add_up_to_the_whole_tensors(tmp_path: Path) -> None:
+    """FSDP2 shards a tensor unevenly over the ranks (5 rows: 3 and 2): each rank hashes its shard with the places
+    its elements hold in the whole, and the shards' hashes add up to the whole tensor's, along either dimension."""
+    mp.spawn(_hash_shards, args=(tmp_path,), nprocs=_SHARDS, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(_SHARDS)]
+    whole = int(tensor_hash(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)))) % 2**32
+    for placement in ("Shard(0)", "Shard(1)"):
+        assert sum(hashes[placement] for hashes in ranks) % 2**32 == whole, placement
+    assert sum(hashes["local"] for hashes in ranks) % 2**32 != whole
 
 
 def test_row_hashes_are_per_sample_and_see_positions() -> None:
@@ -294,7 +355,7 @@ def test_row_hashes_are_per_sample_and_see_positions() -> None:
     swapped[2, [0, 1]] = swapped[2, [1, 0]]
     # Two tokens swapped: that sample's hash moves, and only it (a plain sum of the row would not see it).
     assert (row_hashes(swapped) != hashes).tolist() == [False, False, True, False]
-    assert int(tensor_hash(swapped)) == int(tensor_hash(tokens))
+    assert int(tensor_hash(swapped)) != int(tensor_hash(tokens))
     assert row_hashes(torch.randn(2, 3, dtype=torch.bfloat16)).shape == (2,)
 
 
@@ -348,4 +409,66 @@ def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> No
     assert lines[0]["entering"]["param"]["embed.weight"] == int(tensor_hash(expected.embed.weight))
     # A second identical run: every fingerprint equal (the control); then the file's steps are comparable.
     _train(tmp_path / "again", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
-    assert locate_runs(tmp_path / "on", tmp_path / "again")[0] == "equal"
+    assert TensorPrints(tmp_path / "on", tmp_path / "again").report()[0] == "equal"
+
+
+class _Square(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.mix = nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mix(self.embed(tokens))))
+
+
+_DATA = torch.Generator().manual_seed(1)
+_BATCHES = [{"input": torch.randint(0, 16, (2, 5), generator=_DATA), "labels": torch.randint(0, 16, (2, 5), generator=_DATA)}
+            for _ in range(4)]
+
+
+def _steps(dump: Path, first: int, last: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Steps ``first..last`` of one process recording fingerprints (from ``state`` where given, as a resume
+    loads it); returns the state it leaves."""
+    torch.manual_seed(0)
+    model = _Square()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    prints = TensorFingerprints(parse_args(["--debug.tensor_fingerprint"]).debug, model, optimizer, rank=0,
+                                world_size=1, dump_folder=dump)
+    batches = prints.batches(iter(_BATCHES[first - 1:last]))
+    for step in range(first, last + 1):
+        prints.step_begin(step)
+        batch = next(batches)
+        loss = nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        prints.gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        prints.updated(flush=step == last)
+    prints.close()
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def test_a_weight_loaded_transposed_or_with_rows_permuted_is_named_as_the_load(tmp_path: Path) -> None:
+    """A loader that puts a square weight in transposed, or a weight's rows in another order (a converter's bug):
+    the same elements, in other places. Named entering the resumed step, as what the resume loaded."""
+    _steps(tmp_path / "A", 1, 4)
+    stopped = _steps(tmp_path / "exact", 1, 2)
+    _steps(tmp_path / "exact", 3, 4, stopped)
+    assert TensorPrints(tmp_path / "A", tmp_path / "exact").report()[0] == "equal"  # the control: an exact resume
+    faults = {"mix.weight": lambda weight: weight.t().contiguous(),  # transposed
+              "out.weight": lambda weight: weight.roll(1, dims=0)}  # rows permuted
+    for name, fault in faults.items():
+        loaded = copy.deepcopy(stopped)
+        loaded["model"][name] = fault(loaded["model"][name])
+        assert int(_plain_sum(loaded["model"][name])) == int(_plain_sum(stopped["model"][name]))
+        _steps(tmp_path / name, 1, 2)
+        _steps(tmp_path / name, 3, 4, loaded)
+        assert TensorPrints(tmp_path / "A", tmp_path / name).report() == ("found", [
+            f"the first tensor that differs: step 3, rank 0: parameter `{name}` entering the step differs, before "
+            "any batch (B resumed here: what the resume loaded differs: the checkpoint or its loading, not this "
+            "step's training)"]), name

@@ -7,31 +7,42 @@ Each rank appends one JSON line per step to ``{dump_folder}/tensor_fingerprints/
 * ``grad``: each gradient before clipping; ``param``: each parameter after the update; ``optim``: each tensor of
   the optimizer state after the update (``NAME.exp_avg``...);
 * ``entering`` (on the first step a process trains: after a resume, the state just loaded): ``param``/``optim``;
-* ``modules`` (at step ``debug.fingerprint_modules_at_step``): ``[name, [input hashes], [output hashes]]`` for
-  every module call, in the order the calls ended (forward hooks, installed for that step only).
+* ``loss``: each micro-batch's loss on this rank, before any reduction over ranks;
+* ``modules`` (at step ``debug.fingerprint_modules_at_step``): ``[name, [input hashes], [output hashes], drew]``
+  for every module call, in the order the calls ended (forward hooks, installed for that step only); ``drew`` is
+  null when the call drew no random number from torch's generators, else a hash of their state entering it;
+* ``config`` (rank 0, in the first line of each process): the run's resolved config, so that the locator can name
+  the keys in which two runs differ.
 
-A hash is the sum of the elements' bit patterns as integers, modulo 2**32: one reduction on the tensor's device,
-exact whatever order it adds in, kept on the device until the loss log's next sync point, then read in one copy
-per device and written as an exact integer. It sees any single changed element and a tensor changed as a whole;
-as a sum it is blind to a permutation inside one tensor (the batch rows are hashed with their positions for that
-reason). ``torch.hash_tensor`` XORs instead, where two equal elements cancel: a norm weight of ones hashes to 0
-before and after any uniform change. A sharded tensor (FSDP2) is hashed as this rank's shard: the shards' hashes
-add up to the whole tensor's, which is how the locator compares runs over another process count (``sharded``
-names them, in the first line that hashed each). A resumed run appends; a step written twice counts
-by its later line, as in the loss log. Off, the trainer builds none of this: no hook, no per-step work.
+A hash is a position-weighted sum of the elements' bit patterns as integers, modulo 2**32: each element's bits
+times an odd weight drawn from its place in the whole tensor (its index along each dimension, each dimension's
+indices mixed by their own function, so a transposed square matrix weighs every off-diagonal element otherwise).
+Integer arithmetic is exact whatever order it adds in; the weights being a sum over dimensions, the hash is one
+reduction per dimension of the tensor on its device (the marginal sums, each dotted with its dimension's weights),
+kept on the device until the loss log's next sync point, then read in one copy per device and written as an exact
+integer. It sees any single changed element (an odd weight), a tensor changed as a whole, and elements or rows put
+in other places (a weight loaded transposed, rows permuted). ``torch.hash_tensor`` XORs instead, where two equal
+elements cancel: a norm weight of ones hashes to 0 before and after any uniform change. A sharded tensor (FSDP2) is
+hashed as this rank's shard, each element weighed by its place in the whole tensor: the shards' hashes add up to
+the whole tensor's, which is how the locator compares runs over another process count (``sharded`` names them, in
+the first line that hashed each). A resumed run appends; a step written twice counts by its later line, as in the
+loss log. Off, the trainer builds none of this: no hook, no per-step work.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_leaves
 
+from torchtitan_rng import device as device_lib
 from torchtitan_rng.config import Debug
 from torchtitan_rng.diagnosis.locator import prints_path
 from torchtitan_rng.loss_log import LossLogWriter
@@ -54,12 +65,51 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d integer on the tensor's device: the sum of its elements' bit patterns, wrapping at 2**32 (2**64 for
-    64-bit elements), of this rank's shard of a sharded tensor. Integer addition is exact in any order: one
-    deterministic reduction. A 32-bit sum of 32-bit elements runs at the speed of a float sum; summing them into 64
-    bits converts each element first, about 20 times slower on a CPU."""
+    """A 0-d integer on the tensor's device: the sum of its elements' bit patterns each times the odd weight of its
+    place in the whole tensor, wrapping at 2**32 (2**64 for 64-bit elements); of this rank's shard of a sharded
+    tensor, weighed by the shard's places in the whole. The weight of the element at (i0, i1, ...) is
+    ``1 + 2 * sum_d mix(d, i_d)``: the hash is the sum over dimensions of each marginal sum dotted with that
+    dimension's weights, one reduction per dimension. 32-bit sums of 32-bit elements run at the speed of a float
+    sum; summing them into 64 bits converts each element first, about 20 times slower on a CPU."""
     bits = _bits(_local(tensor))
-    return bits.sum(dtype=torch.int64 if bits.element_size() == 8 else torch.int32)
+    accumulate = torch.int64 if bits.element_size() == 8 else torch.int32
+    if bits.dim() == 0:
+        return bits.sum(dtype=accumulate)  # one element, weight 1 (a new tensor: the element may change before
+        # the line is written, as the optimizer's step count does)
+    offsets = _global_offset(tensor)
+    total = None
+    for dim in range(bits.dim()):
+        others = [other for other in range(bits.dim()) if other != dim]
+        marginal = bits.sum(dim=others, dtype=accumulate) if others else bits.to(accumulate)
+        weighed = (marginal * _weights(dim, offsets[dim], bits.shape[dim], bits.device, accumulate)).sum(
+            dtype=accumulate)
+        total = weighed if total is None else total + weighed
+    return total
+
+
+def _global_offset(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's part of ``tensor`` starts in the whole, per dimension (zeros unless it is sharded)."""
+    if isinstance(tensor, DTensor) and any(isinstance(place, Shard) for place in tensor.placements):
+        return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1]
+    return (0,) * tensor.dim()
+
+
+_WEIGHTS: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _weights(dim: int, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The weights of indices ``start..start+length-1`` along dimension ``dim`` (cached: a few shapes per model):
+    ``2 * mix(dim, index)``, plus 1 along dimension 0 so that every element's weight is odd. ``mix`` is
+    SplitMix64's finalizer of the index and the dimension, kept to the accumulator's width."""
+    key = (dim, start, length, device, dtype)
+    if key not in _WEIGHTS:
+        x = np.arange(start, start + length, dtype=np.uint64) + np.uint64((dim + 1) * _MIX % 2**64)
+        for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            x = (x ^ (x >> np.uint64(shift))) * np.uint64(multiplier)
+        x = (x ^ (x >> np.uint64(31))) * np.uint64(2) + np.uint64(dim == 0)
+        ints = x.view(np.int64) if dtype == torch.int64 else (x & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        _WEIGHTS[key] = torch.from_numpy(ints).to(device)
+    return _WEIGHTS[key]
 
 
 def row_hashes(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,8 +164,10 @@ class TensorFingerprints:
     """One rank's recorder; the trainer calls it around each step only when ``debug.tensor_fingerprint`` is on."""
 
     def __init__(self, debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                 world_size: int, dump_folder: Path) -> None:
+                 world_size: int, dump_folder: Path, config: dict[str, Any] | None = None) -> None:
+        """``config``: the run's resolved config (``section.key``: value), written by rank 0 with the first step."""
         self.model, self.optimizer, self.world_size = model, optimizer, world_size
+        self.config = config if rank == 0 else None
         self.modules_at = debug.fingerprint_modules_at_step
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.names = {id(p): name for name, p in self.params}
@@ -139,12 +191,27 @@ class TensorFingerprints:
         if self.first:
             self.first = False
             self.record["entering"] = {"param": self._params(), "optim": self._optim()}
+            if self.config is not None:
+                self.record["config"] = self.config
         if step == self.modules_at:
             calls: list[Any] = []
             self.record["modules"] = calls
+            entering: list[torch.Tensor] = []  # the streams' state entering each call not yet ended (nested)
+            device = next(self.model.parameters()).device
             for name, module in self.model.named_modules():
                 if name:
-                    self._hooks.append(module.register_forward_hook(_module_hook(name, calls), with_kwargs=True))
+                    self._hooks.append(module.register_forward_pre_hook(
+                        lambda module, args: entering.append(_stream_state(device))))
+                    self._hooks.append(module.register_forward_hook(_module_hook(name, calls, entering, device),
+                                                                    with_kwargs=True))
+
+    def losses(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` recording each micro-batch's loss as this rank computes it, before any reduction."""
+        def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = loss_fn(*args, **kwargs)
+            self.record.setdefault("loss", []).append(tensor_hash(loss))
+            return loss
+        return recorded
 
     def gradients(self) -> None:
         """After the backward, before clipping; the module hooks (if any) come off here."""
@@ -188,16 +255,27 @@ class TensorFingerprints:
         self.writer.close()
 
 
-def _module_hook(name: str, calls: list[Any]) -> Any:
+def _stream_state(device: torch.device) -> torch.Tensor:
+    """torch's CPU generator and this rank's device generator, as one byte tensor (what dropout draws from)."""
+    device_state = device_lib.get_device_rng_state(device)
+    cpu = torch.get_rng_state()
+    return cpu if device_state is None else torch.cat([cpu, device_state.cpu()])
+
+
+def _module_hook(name: str, calls: list[Any], entering: list[torch.Tensor], device: torch.device) -> Any:
     def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        before = entering.pop()
+        drew = None if torch.equal(before, _stream_state(device)) else tensor_hash(before)
         calls.append([name, [tensor_hash(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)],
-                      [tensor_hash(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)]])
+                      [tensor_hash(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor)], drew])
     return hook
 
 
 def build_tensor_fingerprints(debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
-                              world_size: int, dump_folder: Path) -> TensorFingerprints | None:
+                              world_size: int, dump_folder: Path,
+                              config: dict[str, Any] | None = None) -> TensorFingerprints | None:
     """The recorder, or None when ``debug.tensor_fingerprint`` is off (the trainer then does nothing per step)."""
     if not debug.tensor_fingerprint:
         return None
-    return TensorFingerprints(debug, model, optimizer, rank=rank, world_size=world_size, dump_folder=dump_folder)
+    return TensorFingerprints(debug, model, optimizer, rank=rank, world_size=world_size, dump_folder=dump_folder,
+                              config=config)
