@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
-from torchtitan_rng.diagnosis.locator import TensorPrints, locate, prints_path, read_prints
+from torchtitan_rng.diagnosis.locator import Draws, TensorPrints, locate, prints_path, read_prints
 from torchtitan_rng.diagnosis.tensor_fingerprints import (TensorFingerprints, build_tensor_fingerprints, row_hashes,
                                                            tensor_hash)
 from torchtitan_rng.loss_log import LossLogError
@@ -34,9 +34,15 @@ def _value(*key: object) -> int:
     return hash(key) % 2**63  # distinct per key; the same in both runs of a test
 
 
+CONFIG = {"debug.seed": 0, "training.max_norm": 1.0, "job.dump_folder": "A", "debug.tensor_fingerprint": True}
+
+
 def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modules_at: int = 2,
-              resumed_at: int | None = None) -> Lines:
-    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks."""
+              resumed_at: int | None = None, losses: bool = False, draws: bool = False,
+              config: dict[str, Any] | None = None) -> Lines:
+    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks. With
+    ``losses`` each rank's micro-batch losses, with ``draws`` each module call's draws (attention draws), with
+    ``config`` the config rank 0 records where a process starts."""
     lines: Lines = {}
     for step in range(1, steps + 1):
         lines[step] = {}
@@ -46,11 +52,17 @@ def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modul
                 line["entering"] = {"param": {name: _value("param", step - 1, name) for name in PARAMS},
                                     "optim": {f"{name}.exp_avg": _value("optim", step - 1, name) for name in PARAMS}
                                     if step > 1 else {}}
+                if config is not None and rank == 0:
+                    line["config"] = copy.deepcopy(config)
             line["batch"] = [{"input": [_value("input", step, rank, mb, row) for row in range(4)],
                               "labels": [_value("labels", step, rank, mb, row) for row in range(4)]}
                              for mb in range(micro_batches)]
+            if losses:
+                line["loss"] = [_value("loss", step, rank, mb) for mb in range(micro_batches)]
             if step == modules_at:
                 line["modules"] = [[name, [_value("in", step, rank, mb, name)], [_value("out", step, rank, mb, name)]]
+                                   + ([_value("rng", step, rank, mb) if name == "layers.0.attn" else None]
+                                      if draws else [])
                                    for mb in range(micro_batches) for name in ("embed", "layers.0.attn", "output")]
             line["grad"] = {name: _value("grad", step, name) for name in PARAMS}
             line["param"] = {name: _value("param", step, name) for name in PARAMS}
@@ -218,6 +230,176 @@ def test_another_process_count_compares_whole_steps(tmp_path: Path) -> None:
     assert first_difference(tmp_path / "samples", one, other) == [
         "step 1: the samples of the step differ (as a set over every rank and micro-batch, 1 against 2 processes): "
         "the data, not the model"]
+
+
+def _one_micro_batch(lines: Lines) -> Lines:
+    """``lines`` with each rank's micro-batches of a step taken as one (the same samples in the same order), as a
+    run with a larger training.local_batch_size splits the step: its module calls and losses are other ones."""
+    out = copy.deepcopy(lines)
+    for step, per_rank in out.items():
+        for rank, line in per_rank.items():
+            line["batch"] = [{key: [row for batch in line["batch"] for row in batch[key]] for key in line["batch"][0]}]
+            line.pop("modules", None)
+            line["loss"] = [_value("loss of one micro-batch", step, rank)]
+    return out
+
+
+def test_another_split_of_the_step_is_named_as_the_split(tmp_path: Path) -> None:
+    two = synthetic(world_size=1, losses=True)  # 2 x 4 samples a step
+    one = _one_micro_batch(two)  # 1 x 8: the same samples
+    # The control: the same samples, the same tensors: nothing named (not the batches, modules or losses either).
+    assert first_difference(tmp_path / "control", two, one) is None
+    one[1][0]["grad"]["embed.weight"] += 1
+    _later_too(one, 1)
+    assert first_difference(tmp_path, two, one) == [
+        "step 1, rank 0: gradient of `embed.weight` differs before clipping, the same samples, split as A 2 × 4 "
+        "against B 1 × 8 micro-batches × samples: another split of the step: its sums run in another order, and its "
+        "random draws fall per micro-batch otherwise"]
+    other = _one_micro_batch(two)
+    other[2][0]["batch"][0]["labels"][5] += 1
+    assert first_difference(tmp_path / "samples", two, other) == [
+        "step 2, rank 0: the samples of the step differ (as a set over its micro-batches, A 2 × 4 against B 1 × 8 "
+        "micro-batches × samples): the data, not the model"]
+
+
+def _attention_call(lines: Lines) -> list[Any]:
+    """Micro-batch 0's `layers.0.attn` call on rank 0 at step 2 (the module step), its output and the input of the
+    call after it changed, as its other output changes them."""
+    calls = lines[2][0]["modules"]
+    calls[1][2][0] += 1
+    calls[2][1][0] += 1
+    _later_too(lines, 2)
+    return calls[1]
+
+
+def test_a_module_whose_random_draws_differ_is_named_as_draws(tmp_path: Path) -> None:
+    a = synthetic(draws=True)
+    other_state = synthetic(draws=True)
+    _attention_call(other_state)[3] += 1  # it drew from another state of the streams
+    assert first_difference(tmp_path / "state", a, other_state) == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: the random "
+        "streams entering it differ (--debug.rng_fingerprint names which)"]
+    switched_off = synthetic(draws=True)
+    _attention_call(switched_off)[3] = None  # it drew nothing: dropout switched off in B
+    assert first_difference(tmp_path / "off", a, switched_off) == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: it drew random "
+        "numbers in A and none in B (dropout switched off in B?)"]
+    # The control: the same draws from the same state, and the output differs all the same: a kernel.
+    same_draws = synthetic(draws=True)
+    _attention_call(same_draws)
+    assert first_difference(tmp_path / "kernel", a, same_draws) == [CASES["kernel"][1]]
+
+
+def test_a_stream_named_by_the_stream_diagnosis_makes_the_draws_the_cause(tmp_path: Path) -> None:
+    a, b = synthetic(), synthetic()  # module calls without their draws recorded
+    _attention_call(b)
+    prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b, draws=Draws(2, {0: ["torch_cpu"]}))
+    assert found is not None and found.lines == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: stream torch_cpu "
+        "on rank 0 differs entering step 2, as named above"]
+    # The control: a stream of another rank named: rank 0's difference stays a kernel.
+    found = locate(prints_a, prints_b, draws=Draws(2, {1: ["torch_cpu"]}))
+    assert found is not None and found.lines == [CASES["kernel"][1]]
+
+
+def _rank_1_draws_once_more(lines: Lines) -> None:
+    """Rank 1's forward of step 3 differs (an extra draw on rank 1); the gradients, reduced over the ranks, differ
+    on every rank."""
+    if "loss" in lines[3][1]:
+        lines[3][1]["loss"][0] += 1
+    for line in lines[3].values():
+        line["grad"]["embed.weight"] += 1
+    _later_too(lines, 3)
+
+
+def test_a_divergence_that_starts_on_rank_1_is_named_on_rank_1(tmp_path: Path) -> None:
+    a, b = synthetic(losses=True), _changed(_rank_1_draws_once_more, losses=True)
+    assert first_difference(tmp_path, a, b) == [
+        "step 3, rank 1: its loss of micro-batch 0 differs, the batches and the weights entering the step equal, the "
+        "losses of rank 0 equal: the forward pass on this rank, before any reduction over the ranks: its random draws "
+        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (--debug.fingerprint_modules_at_step "
+        "3 names the module)"]
+    # Without losses recorded, the stream diagnosis' rank leads among the ranks whose gradients differ.
+    a, b = synthetic(), _changed(_rank_1_draws_once_more)
+    prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b, draws=Draws(3, {1: ["torch_cpu"]}))
+    assert found is not None and found.lines == [
+        "step 3, rank 1: gradient of `embed.weight` differs before clipping, the batches and the weights entering "
+        "the step equal: its random draws differ: stream torch_cpu on rank 1 differs entering step 3, as named above"]
+    found = locate(prints_a, prints_b)  # the control: nothing says where it began: the first rank
+    assert found is not None and found.lines[0].startswith("step 3, rank 0: gradient of `embed.weight`")
+
+
+def _initial_weights_differ(lines: Lines) -> None:
+    for line in lines[1].values():
+        line["entering"]["param"]["embed.weight"] += 1
+    _later_too(lines, 1)
+
+
+def test_fresh_runs_are_named_by_their_config_difference(tmp_path: Path) -> None:
+    a = synthetic(config=CONFIG)
+    same = synthetic(config={**CONFIG, "job.dump_folder": "B"})  # a key that cannot change the losses
+    assert first_difference(tmp_path / "control", a, same) is None
+    seeded = _changed(_initial_weights_differ, config={**CONFIG, "debug.seed": 1, "job.dump_folder": "B"})
+    assert first_difference(tmp_path / "seed", a, seeded) == [
+        "step 1, rank 0: parameter `embed.weight` entering the step differs, before any batch (neither run resumed "
+        "here: the initial weights differ; the configs differ in debug.seed 0 vs 1)"]
+    unrecorded = _changed(_initial_weights_differ)
+    assert first_difference(tmp_path / "unrecorded", synthetic(), unrecorded) == [
+        "step 1, rank 0: parameter `embed.weight` entering the step differs, before any batch (neither run resumed "
+        "here: the initial weights differ: their seed (debug.seed), the model's initialization code, or a checkpoint "
+        "loaded as the initial weights)"]
+
+
+def test_a_key_changed_at_a_resume_is_named_from_the_two_records(tmp_path: Path) -> None:
+    a = synthetic(config=CONFIG)
+    b = synthetic(config=CONFIG, resumed_at=3)
+    assert first_difference(tmp_path / "control", a, b) is None
+    b[3][0]["config"]["training.max_norm"] = 0.5  # allowed by checkpoint.allow_config_change at the resume
+    for line in b[3].values():
+        line["param"]["embed.weight"] += 1  # other clipping: the same gradients, another update
+    _later_too(b, 4)
+    assert first_difference(tmp_path, a, b) == [
+        "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the update differs (the "
+        "optimizer: its state or its hyperparameters; the configs differ in training.max_norm 1.0 → 0.5 (B's resume "
+        "entering step 3))"]
+
+
+def _rng_log(folder: Path, losses: list[float], run: str, ranks: int = 2) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "loss_log.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": loss, "rng_fingerprint": [{"torch_cpu": f"{run}{step}{rank}"}
+                                                                    for rank in range(ranks)]}) + "\n"
+        for step, loss in enumerate(losses, start=1)))
+
+
+def test_compare_losses_names_fresh_runs_by_their_configs_not_a_restore(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    a = write(tmp_path / "a", synthetic(config=CONFIG))
+    b = write(tmp_path / "b", _changed(_initial_weights_differ, config={**CONFIG, "debug.seed": 1}))
+    _rng_log(a, [3.0, 2.5, 2.0, 1.5], "a")
+    _rng_log(b, [3.25, 2.5, 2.0, 1.5], "b")
+    assert compare_main([str(a), str(b)]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "random streams first differ entering step 1:",
+        "  stream torch_cpu on rank 0 (A a10, B b10)",
+        "  stream torch_cpu on rank 1 (A a11, B b11)",
+        "  hint: neither run had resumed entering step 1, so nothing was restored: they were seeded or launched "
+        "differently; their configs differ: debug.seed 0 vs 1",
+        "the first tensor that differs: step 1, rank 0: parameter `embed.weight` entering the step differs, before "
+        "any batch (neither run resumed here: the initial weights differ; the configs differ in debug.seed 0 vs 1)"]
+    # Without tensor fingerprints nothing records the configs: the hint names what to look at, and the process
+    # count, which the stream fingerprints themselves show.
+    plain_a, plain_b = tmp_path / "plain_a", tmp_path / "plain_b"
+    _rng_log(plain_a, [3.0, 2.5], "a")
+    _rng_log(plain_b, [3.25, 2.5], "b", ranks=1)
+    assert compare_main([str(plain_a), str(plain_b)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  hint: neither run had resumed entering step 1, so nothing was restored: they were seeded or launched "
+        "differently; their configs differ: the process count 2 vs 1")
 
 
 def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
@@ -424,8 +606,7 @@ class _Square(nn.Module):
 
 
 _DATA = torch.Generator().manual_seed(1)
-_BATCHES = [{"input": torch.randint(0, 16, (2, 5), generator=_DATA), "labels": torch.randint(0, 16, (2, 5), generator=_DATA)}
-            for _ in range(4)]
+_BATCHES = [{key: torch.randint(0, 16, (2, 5), generator=_DATA) for key in ("input", "labels")} for _ in range(4)]
 
 
 def _steps(dump: Path, first: int, last: int, state: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -120,7 +120,8 @@ def _unresumed_hint(step: int, a: dict[int, dict[str, Any]], b: dict[int, dict[s
         sizes = [len(run[step][FINGERPRINT_KEY]) for run in (a, b)]
         configs = [f"the process count {sizes[0]} vs {sizes[1]}"] if sizes[0] != sizes[1] else None
     if step == 1:
-        said = "neither run had resumed entering step 1, so nothing was restored: they were seeded or launched differently"
+        said = ("neither run had resumed entering step 1, so nothing was restored: they were seeded or launched "
+                "differently")
     else:
         said = (f"neither run resumed up to step {step}: something drew from the stream a different number of times "
                 "before it (randomness outside the training step, or a rank-dependent code path)")

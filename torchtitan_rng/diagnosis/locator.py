@@ -108,10 +108,11 @@ class Draws:
     ranks: dict[int, list[str]]
 
 
-def config_differences(a: RunPrints, b: RunPrints, step: int) -> list[str]:
+def config_differences(a: RunPrints, b: RunPrints, step: int) -> list[str] | None:
     """The config keys (those that can change the losses) and the process count in which the processes that trained
     ``step`` differ, as recorded: ``debug.seed 0 vs 1``, or ``training.max_norm 1.0 → 0.5 (B's resume entering
-    step 4)`` where one run changed the key at a resume from the other run's value."""
+    step 4)`` where one run changed the key at a resume from the other run's value. None where a run recorded no
+    config and the process counts are equal (nothing known)."""
     (start_a, config_a), (start_b, config_b) = a.config(step), b.config(step)
     found = []
     if a.steps.get(step) and b.steps.get(step):
@@ -119,15 +120,17 @@ def config_differences(a: RunPrints, b: RunPrints, step: int) -> list[str]:
         if sizes[0] != sizes[1]:
             found.append(f"the process count {sizes[0]} vs {sizes[1]}")
     if config_a is None or config_b is None:
-        return found
+        return found or None
     for key in sorted(set(config_a) | set(config_b)):
         value_a, value_b = config_a.get(key), config_b.get(key)
         if is_quiet(key) or value_a == value_b:
             continue
-        for label, run, start, value, other in (("B", b, start_b, value_b, value_a), ("A", a, start_a, value_a, value_b)):
+        for label, run, start, value, other in (("B", b, start_b, value_b, value_a),
+                                                 ("A", a, start_a, value_a, value_b)):
             earlier = run.config(start - 1)[1] if start > 1 else None
             if earlier is not None and key in earlier and earlier[key] == other:
-                found.append(f"{key} {json.dumps(other)} → {json.dumps(value)} ({label}'s resume entering step {start})")
+                found.append(f"{key} {json.dumps(other)} → {json.dumps(value)} ({label}'s resume entering step "
+                             f"{start})")
                 break
         else:
             found.append(f"{key} {json.dumps(value_a)} vs {json.dumps(value_b)}")
@@ -178,8 +181,8 @@ class _Step:
         """The random streams of ``rank`` the stream diagnosis named, as a clause; None where it named none."""
         if self.draws is None or rank not in self.draws.ranks:
             return None
-        return (f"stream {', '.join(self.draws.ranks[rank])} on rank {rank} differs entering step {self.draws.step} "
-                "(above)")
+        return (f"stream {', '.join(self.draws.ranks[rank])} on rank {rank} differs entering step {self.draws.step}, "
+                "as named above")
 
     def _rank_order(self) -> list[int]:
         """The ranks, those whose streams the stream diagnosis named first: where a difference after a reduction
@@ -204,7 +207,7 @@ class _Step:
         name = _first_key(_whole(ranks_a, self.a.sharded), _whole(ranks_b, self.b.sharded))
         return (None, name) if name is not None else None
 
-    def _configs(self) -> list[str]:
+    def _configs(self) -> list[str] | None:
         return config_differences(self.a, self.b, self.step)
 
     def entering(self) -> list[str] | None:
@@ -222,11 +225,15 @@ class _Step:
                 if resumed:
                     how = (f"{' and '.join(resumed)} resumed here: what the resume loaded differs: the checkpoint or "
                            "its loading, not this step's training")
-                elif configs := self._configs():
-                    how = f"neither run resumed here: the initial weights differ, and the configs: {', '.join(configs)}"
+                elif (configs := self._configs()) is None:
+                    how = ("neither run resumed here: the initial weights differ: their seed (debug.seed), the "
+                           "model's initialization code, or a checkpoint loaded as the initial weights")
+                elif configs:
+                    how = ("neither run resumed here: the initial weights differ; the configs differ in "
+                           + ", ".join(configs))
                 else:
-                    how = ("neither run resumed here: the initial weights differ, with the same config where "
-                           "recorded: the model's initialization code, or a checkpoint loaded as its initial weights")
+                    how = ("neither run resumed here: the initial weights differ, the configs equal: the model's "
+                           "initialization code, or a checkpoint loaded as the initial weights")
                 return [f"{self._at(rank)}: {what} `{name}` entering the step differs, before any batch ({how})"]
         return None
 
@@ -342,10 +349,9 @@ class _Step:
             equal = " ".join(filter(None, ("gradients equal", everywhere)))
             if kind == "param":
                 configs = self._configs()
-                which = (f"and the configs differ: {', '.join(configs)}" if configs
-                         else "e.g. the learning rate")
+                which = f"; the configs differ in {', '.join(configs)}" if configs else ", e.g. the learning rate"
                 return [f"{self._at(rank)}: {equal}, parameter `{name}` after the update differs (the optimizer: "
-                        f"its state or its hyperparameters, {which})"]
+                        f"its state or its hyperparameters{which})"]
             return [f"{self._at(rank)}: {equal}, parameters after the update equal, optimizer state `{name}` "
                     "differs (the optimizer's state: what it carries to the next step)"]
         return None

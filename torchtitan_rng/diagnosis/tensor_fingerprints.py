@@ -107,7 +107,8 @@ def _weights(dim: int, start: int, length: int, device: torch.device, dtype: tor
         for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
             x = (x ^ (x >> np.uint64(shift))) * np.uint64(multiplier)
         x = (x ^ (x >> np.uint64(31))) * np.uint64(2) + np.uint64(dim == 0)
-        ints = x.view(np.int64) if dtype == torch.int64 else (x & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        low = (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        ints = x.view(np.int64) if dtype == torch.int64 else low.view(np.int32)
         _WEIGHTS[key] = torch.from_numpy(ints).to(device)
     return _WEIGHTS[key]
 
