@@ -551,12 +551,17 @@ class _Tiny(nn.Module):
         return self.out(self.embed(tokens))
 
 
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+
+
 def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
     torch.manual_seed(0)
     model = _Tiny()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = parse_args(["--job.dump_folder", str(dump), *flags])
-    prints = build_tensor_fingerprints(config.debug, model, optimizer, rank=0, world_size=1, dump_folder=dump)
+    prints = build_tensor_fingerprints(config.debug, model, optimizer, rank=0, world_size=1, dump_folder=dump,
+                                       config={"debug.seed": config.debug.seed})
     if prints is None:
         return None
     data = iter([{"input": torch.randint(0, 16, (2, 5)), "labels": torch.randint(0, 16, (2, 5))}
@@ -565,7 +570,7 @@ def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
     for step in range(1, steps + 1):
         prints.step_begin(step)
         batch = next(batches)
-        loss = nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        loss = prints.losses(_loss)(model, batch)
         loss.backward()
         prints.gradients()
         optimizer.step()
@@ -582,8 +587,12 @@ def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> No
     _train(tmp_path / "on", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
     lines = [json.loads(line) for line in prints_path(tmp_path / "on", 0).read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
-    assert set(lines[0]) == {"step", "world_size", "entering", "batch", "grad", "param", "optim"}
+    assert set(lines[0]) == {"step", "world_size", "entering", "config", "batch", "loss", "grad", "param", "optim"}
+    assert lines[0]["config"] == {"debug.seed": 0} and "config" not in lines[1]  # where the process started
+    assert all(len(line["loss"]) == 1 and isinstance(line["loss"][0], int) for line in lines)
+    # Each call: its name, input and output hashes, and null where it drew no random number.
     assert [call[0] for call in lines[1]["modules"]] == ["embed", "out"] and "modules" not in lines[2]
+    assert [call[3] for call in lines[1]["modules"]] == [None, None]
     assert set(lines[2]["optim"]) == {f"{name}.{key}" for name in ("embed.weight", "out.weight", "out.bias")
                                       for key in ("step", "exp_avg", "exp_avg_sq")}
     torch.manual_seed(0)
