@@ -497,6 +497,13 @@ def test_hashes_see_a_permutation_inside_a_tensor() -> None:
         assert int(_plain_sum(tensor)) == int(_plain_sum(original)), name
         assert int(tensor_hash(tensor)) != int(tensor_hash(original)), name
     assert int(tensor_hash(square.clone())) == int(tensor_hash(square))  # the control: a copy hashes the same
+    # Tensors of more elements than the hash's period (one reduction of a view): the same.
+    large = torch.randn(300, 300)
+    embedding = torch.randn(70000, 4)
+    for tensor, moved_tensor in ((large, large.t().contiguous()), (embedding, embedding.roll(1, dims=0))):
+        assert int(_plain_sum(moved_tensor)) == int(_plain_sum(tensor))
+        assert int(tensor_hash(moved_tensor)) != int(tensor_hash(tensor))
+        assert int(tensor_hash(tensor.clone())) == int(tensor_hash(tensor))
 
 
 def _plain_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -506,13 +513,24 @@ def _plain_sum(tensor: torch.Tensor) -> torch.Tensor:
 _SHARDS = 2
 
 
+# A small tensor, and one of more elements than the hash's period (its shards start inside a period).
+_SHAPES = ((5, 3), (40001, 5))
+
+
+def _whole(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
 def _hash_shards(rank: int, folder: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=rank, world_size=_SHARDS)
     mesh = init_device_mesh("cpu", (_SHARDS,))
-    whole = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
-    hashes = {f"Shard({dim})": int(tensor_hash(distribute_tensor(whole, mesh, [Shard(dim)]))) for dim in (0, 1)}
-    # The control: the local shard hashed as a tensor of its own (its places counted from 0, not in the whole).
-    hashes["local"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(0)]).to_local()))
+    hashes = {}
+    for shape in _SHAPES:
+        whole = _whole(shape)
+        for dim in (0, 1):
+            hashes[f"{shape} Shard({dim})"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(dim)])))
+        # The control: the local shard hashed as a tensor of its own (its places counted from 0, not in the whole).
+        hashes[f"{shape} local"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(0)]).to_local()))
     (folder / f"rank{rank}.json").write_text(json.dumps(hashes))
     dist.destroy_process_group()
 
@@ -522,10 +540,11 @@ def test_shards_hashes_add_up_to_the_whole_tensors(tmp_path: Path) -> None:
     its elements hold in the whole, and the shards' hashes add up to the whole tensor's, along either dimension."""
     mp.spawn(_hash_shards, args=(tmp_path,), nprocs=_SHARDS, join=True)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(_SHARDS)]
-    whole = int(tensor_hash(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)))) % 2**32
-    for placement in ("Shard(0)", "Shard(1)"):
-        assert sum(hashes[placement] for hashes in ranks) % 2**32 == whole, placement
-    assert sum(hashes["local"] for hashes in ranks) % 2**32 != whole
+    for shape in _SHAPES:
+        whole = int(tensor_hash(_whole(shape))) % 2**32
+        for placement in ("Shard(0)", "Shard(1)"):
+            assert sum(hashes[f"{shape} {placement}"] for hashes in ranks) % 2**32 == whole, (shape, placement)
+        assert sum(hashes[f"{shape} local"] for hashes in ranks) % 2**32 != whole, shape
 
 
 def test_row_hashes_are_per_sample_and_see_positions() -> None:

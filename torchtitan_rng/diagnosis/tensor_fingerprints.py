@@ -14,14 +14,13 @@ Each rank appends one JSON line per step to ``{dump_folder}/tensor_fingerprints/
 * ``config`` (rank 0, in the first line of each process): the run's resolved config, so that the locator can name
   the keys in which two runs differ.
 
-A hash is a position-weighted sum of the elements' bit patterns as integers, modulo 2**32: each element's bits
-times an odd weight drawn from its place in the whole tensor (its index along each dimension, each dimension's
-indices mixed by their own function, so a transposed square matrix weighs every off-diagonal element otherwise).
-Integer arithmetic is exact whatever order it adds in; the weights being a sum over dimensions, the hash is one
-reduction per dimension of the tensor on its device (the marginal sums, each dotted with its dimension's weights),
-kept on the device until the loss log's next sync point, then read in one copy per device and written as an exact
-integer. It sees any single changed element (an odd weight), a tensor changed as a whole, and elements or rows put
-in other places (a weight loaded transposed, rows permuted). ``torch.hash_tensor`` XORs instead, where two equal
+A hash is a position-weighted sum of the elements' bit patterns as integers, modulo 2**32 (2**64 for 64-bit
+elements): each element's bits times an odd weight of its place in the whole tensor (its row-major index, modulo
+a prime, mixed). Integer arithmetic is exact whatever order it adds in; the hash is one reduction per tensor on
+its device (the sums per residue, then a dot with the weights), kept on the device until the loss log's next
+sync point, then read in one copy per device and written as an exact integer. It sees any single changed element
+(an odd weight), a tensor changed as a whole, and elements put in other places (a weight loaded transposed, rows
+permuted), unless each moved by a multiple of the prime. ``torch.hash_tensor`` XORs instead, where two equal
 elements cancel: a norm weight of ones hashes to 0 before and after any uniform change. A sharded tensor (FSDP2) is
 hashed as this rank's shard, each element weighed by its place in the whole tensor: the shards' hashes add up to
 the whole tensor's, which is how the locator compares runs over another process count (``sharded`` names them, in
@@ -32,6 +31,7 @@ loss log. Off, the trainer builds none of this: no hook, no per-step work.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -65,52 +65,84 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d integer on the tensor's device: the sum of its elements' bit patterns each times the odd weight of its
+    """A 0-d integer on the tensor's device: the sum of its elements' bit patterns, each times the odd weight of its
     place in the whole tensor, wrapping at 2**32 (2**64 for 64-bit elements); of this rank's shard of a sharded
-    tensor, weighed by the shard's places in the whole. The weight of the element at (i0, i1, ...) is
-    ``1 + 2 * sum_d mix(d, i_d)``: the hash is the sum over dimensions of each marginal sum dotted with that
-    dimension's weights, one reduction per dimension. 32-bit sums of 32-bit elements run at the speed of a float
-    sum; summing them into 64 bits converts each element first, about 20 times slower on a CPU."""
+    tensor, weighed by the shard's places in the whole. A place's weight is that of its row-major index in the whole
+    tensor modulo ``_PERIOD``: the elements of each residue are summed in one reduction (a ``(-1, _PERIOD)`` view
+    summed over its rows), then dotted with the weights. 32-bit sums of 32-bit elements run at the speed of a
+    float sum; summing them into 64 bits converts each element first, about 20 times slower on a CPU."""
     bits = _bits(_local(tensor))
     accumulate = torch.int64 if bits.element_size() == 8 else torch.int32
-    if bits.dim() == 0:
-        return bits.sum(dtype=accumulate)  # one element, weight 1 (a new tensor: the element may change before
-        # the line is written, as the optimizer's step count does)
-    offsets = _global_offset(tensor)
-    total = None
-    for dim in range(bits.dim()):
-        others = [other for other in range(bits.dim()) if other != dim]
-        marginal = bits.sum(dim=others, dtype=accumulate) if others else bits.to(accumulate)
-        weighed = (marginal * _weights(dim, offsets[dim], bits.shape[dim], bits.device, accumulate)).sum(
-            dtype=accumulate)
-        total = weighed if total is None else total + weighed
+    weights = _weights(bits.device, accumulate)
+    start = _global_start(tensor)
+    if start is None:  # not one block of the whole's row-major order (sharded along a later dimension)
+        return _dot(bits.reshape(-1), weights[(_global_index(tensor) % _PERIOD).reshape(-1)], accumulate)
+    flat = bits.reshape(-1)  # a copy only where the tensor is not contiguous: its places, not its memory
+    first = start % _PERIOD
+    head = min(flat.numel(), (_PERIOD - first) % _PERIOD)  # the elements before the first place of residue 0
+    body = (flat.numel() - head) // _PERIOD * _PERIOD
+    tail = flat.numel() - head - body
+    parts = []  # (values, their weights); a small tensor is one part, its tail
+    if head or not flat.numel():
+        parts.append((flat[:head], weights[first:first + head]))
+    if body:
+        parts.append((flat[head:head + body].view(-1, _PERIOD).sum(dim=0, dtype=accumulate), weights))
+    if tail:
+        parts.append((flat[head + body:], weights[:tail]))
+    total = _dot(*parts[0], accumulate)
+    for values, part_weights in parts[1:]:
+        total = total + _dot(values, part_weights, accumulate)
     return total
 
 
-def _global_offset(tensor: torch.Tensor) -> tuple[int, ...]:
-    """Where this rank's part of ``tensor`` starts in the whole, per dimension (zeros unless it is sharded)."""
-    if isinstance(tensor, DTensor) and any(isinstance(place, Shard) for place in tensor.placements):
-        return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1]
-    return (0,) * tensor.dim()
+def _dot(values: torch.Tensor, weights: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+    return (values.to(accumulate) * weights).sum(dtype=accumulate)  # a new tensor, even of one element
 
 
-_WEIGHTS: dict[tuple[int, int, int, torch.device, torch.dtype], torch.Tensor] = {}
+def _global_start(tensor: torch.Tensor) -> int | None:
+    """The row-major index in the whole tensor where this rank's part starts, when its part is one block of that
+    order (a plain tensor: 0; FSDP2's shard of whole rows); None when it is not."""
+    if not isinstance(tensor, DTensor) or not any(isinstance(place, Shard) for place in tensor.placements):
+        return 0
+    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape[1:]) != tuple(tensor.shape[1:]):
+        return None
+    return offsets[0] * math.prod(tensor.shape[1:])
 
 
-def _weights(dim: int, start: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The weights of indices ``start..start+length-1`` along dimension ``dim`` (cached: a few shapes per model):
-    ``2 * mix(dim, index)``, plus 1 along dimension 0 so that every element's weight is odd. ``mix`` is
-    SplitMix64's finalizer of the index and the dimension, kept to the accumulator's width."""
-    key = (dim, start, length, device, dtype)
-    if key not in _WEIGHTS:
-        x = np.arange(start, start + length, dtype=np.uint64) + np.uint64((dim + 1) * _MIX % 2**64)
+def _global_index(tensor: DTensor) -> torch.Tensor:
+    """Each local element's row-major index in the whole tensor (int64, the local shape)."""
+    shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    device = tensor.to_local().device
+    index = torch.zeros(shape, dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        index += ((torch.arange(shape[dim], device=device) + offsets[dim]) * stride).view(view)
+        stride *= tensor.shape[dim]
+    return index
+
+
+# Places are weighed by their index modulo this prime: a hash misses only elements moved by a multiple of it
+# (a transposed square matrix under 65521 rows moves none so), and a tensor of at least this many elements is
+# one reduction of a view, whatever its shape.
+_PERIOD = 65521
+_WEIGHTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The odd weight of each residue (cached per device): SplitMix64's finalizer of the residue, to the
+    accumulator's width."""
+    if (device, dtype) not in _WEIGHTS:
+        x = np.arange(_PERIOD, dtype=np.uint64) + np.uint64(_MIX % 2**64)
         for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
             x = (x ^ (x >> np.uint64(shift))) * np.uint64(multiplier)
-        x = (x ^ (x >> np.uint64(31))) * np.uint64(2) + np.uint64(dim == 0)
+        x = (x ^ (x >> np.uint64(31))) | np.uint64(1)
         low = (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
         ints = x.view(np.int64) if dtype == torch.int64 else low.view(np.int32)
-        _WEIGHTS[key] = torch.from_numpy(ints).to(device)
-    return _WEIGHTS[key]
+        _WEIGHTS[device, dtype] = torch.from_numpy(ints).to(device)
+    return _WEIGHTS[device, dtype]
 
 
 def row_hashes(tensor: torch.Tensor) -> torch.Tensor:
