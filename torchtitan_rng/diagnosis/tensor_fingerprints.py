@@ -196,7 +196,7 @@ def _fill(value: Any, values: dict[torch.device, Iterator[int]]) -> Any:
 class TensorFingerprints:
     """One rank's recorder; the trainer calls it around each step only when ``debug.tensor_fingerprint`` is on."""
 
-    def __init__(self, debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+    def __init__(self, debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
                  world_size: int, dump_folder: Path, config: dict[str, Any] | None = None) -> None:
         """``config``: the run's resolved config (``section.key``: value), written by rank 0 with the first step."""
         self.model, self.optimizer, self.world_size = model, optimizer, world_size
@@ -214,9 +214,17 @@ class TensorFingerprints:
     def batches(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """The batches as the plan takes them, each hashed per entry and sample as it is taken."""
         for batch in batches:
-            self.record.setdefault("batch", []).append(
-                {key: row_hashes(value) for key, value in batch.items() if isinstance(value, torch.Tensor)})
+            self.batch(batch)
             yield batch
+
+    def batch(self, batch: dict[str, Any]) -> None:
+        """One micro-batch of this step, hashed per entry and sample."""
+        self.record.setdefault("batch", []).append(
+            {key: row_hashes(value) for key, value in batch.items() if isinstance(value, torch.Tensor)})
+
+    def loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss as this rank computed it, before any reduction over ranks."""
+        self.record.setdefault("loss", []).append(tensor_hash(loss))
 
     def step_begin(self, step: int) -> None:
         """Before the step's forward: the state entering it (first step of this process), hooks at the chosen step."""
@@ -242,7 +250,7 @@ class TensorFingerprints:
         """``loss_fn`` recording each micro-batch's loss as this rank computes it, before any reduction."""
         def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
             loss = loss_fn(*args, **kwargs)
-            self.record.setdefault("loss", []).append(tensor_hash(loss))
+            self.loss(loss)
             return loss
         return recorded
 
@@ -274,8 +282,8 @@ class TensorFingerprints:
         return {name: self._hash(name, p) for name, p in self.params}
 
     def _optim(self) -> dict[str, torch.Tensor]:
-        prints = {}
-        for param, state in self.optimizer.state.items():
+        prints: dict[str, torch.Tensor] = {}
+        for param, state in (self.optimizer.state if self.optimizer is not None else {}).items():
             name = self.names.get(id(param), "?")
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
@@ -304,7 +312,7 @@ def _module_hook(name: str, calls: list[Any], entering: list[torch.Tensor], devi
     return hook
 
 
-def build_tensor_fingerprints(debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int,
+def build_tensor_fingerprints(debug: Debug, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
                               world_size: int, dump_folder: Path,
                               config: dict[str, Any] | None = None) -> TensorFingerprints | None:
     """The recorder, or None when ``debug.tensor_fingerprint`` is off (the trainer then does nothing per step)."""
