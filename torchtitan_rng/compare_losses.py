@@ -38,6 +38,17 @@ TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in has 
                      "non-deterministic kernels")
 
 
+OWN_LOOP_ADVICE = ("ExactResume records none (--debug.rng_fingerprint is the trainer's option); its tensor "
+                   "fingerprints say what differs")
+
+
+def _advice(run_a: Path, run_b: Path, prints: TensorPrints) -> str:
+    """What to run for stream fingerprints, as far as the runs tell which trainer wrote them."""
+    if _torchtitan_run(run_a) or _torchtitan_run(run_b):
+        return TORCHTITAN_ADVICE
+    return OWN_LOOP_ADVICE if prints.own_loop() else ADVICE
+
+
 def _torchtitan_run(run: Path) -> bool:
     """Whether torchtitan trained ``run``: the plug-in's run record (in each checkpoint of torchtitan's default
     folder) spells the config as torchtitan does (``dump_folder``), this project's trainer ``job.dump_folder``."""
@@ -120,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print(result.message)
     divergence = None
     if result.loss_differs:
-        advice = TORCHTITAN_ADVICE if _torchtitan_run(args.run_a) or _torchtitan_run(args.run_b) else ADVICE
         print("\n".join(diagnose(records_a, records_b, result.first_step, prints.launches(result.first_step),
-                                 advice)))
+                                 _advice(args.run_a, args.run_b, prints))))
         divergence = first_stream_divergence(records_a, records_b, up_to=result.first_step)
     elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
         print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b,

@@ -74,6 +74,11 @@ def test_a_noisy_module_is_named_at_its_output(runs: dict[str, Path], capsys: Ca
 
 
 def test_max_norm_changed_at_the_resume_is_the_update(runs: dict[str, Path], capsys: Capture) -> None:
+    capsys.readouterr()
+    compare_losses([str(runs["reference"]), str(runs["max_norm"])])
+    # ExactResume has no stream-fingerprint option: the trainer's is not advised.
+    assert ("no RNG fingerprints in A and B: ExactResume records none (--debug.rng_fingerprint is the trainer's "
+            "option); its tensor fingerprints say what differs") in capsys.readouterr().out
     code, lines = _located(runs["reference"], runs["max_norm"], capsys)
     assert code == 1 and lines == [
         f"step {STOP_AT + 1}, rank 0: gradients equal, parameter `0.weight` after the update differs (the optimizer: "

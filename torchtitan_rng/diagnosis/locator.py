@@ -435,6 +435,15 @@ class TensorPrints:
             return Launches()
         return Launches(resumed_by(self.a, self.b, step), config_differences(self.a, self.b, step))
 
+    def own_loop(self) -> bool:
+        """Whether a run's fingerprints were recorded by ExactResume (its config, unlike the trainer's, has no
+        ``job.dump_folder``): there is no stream-fingerprint option to advise."""
+        for run in (self.a, self.b):
+            config = run.config(min(run.steps))[1] if run is not None and run.steps else None
+            if config is not None and "job.dump_folder" not in config:
+                return True
+        return False
+
     def report(self, up_to: int | None = None, draws: Draws | None = None) -> tuple[str, list[str]]:
         """("found", lines) naming the first difference; ("equal", lines) when every fingerprint matched;
         ("absent", lines) when one run has none (a hint), or ("absent", []) when neither has any."""
