@@ -38,15 +38,15 @@ TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in has 
                      "non-deterministic kernels")
 
 
-OWN_LOOP_ADVICE = ("ExactResume records none (--debug.rng_fingerprint is the trainer's option); its tensor "
-                   "fingerprints say what differs")
+OUTSIDE_ADVICE = ("ExactResume and the HF Trainer integration record none (--debug.rng_fingerprint is the "
+                  "trainer's option); their tensor fingerprints say what differs")
 
 
 def _advice(run_a: Path, run_b: Path, prints: TensorPrints) -> str:
     """What to run for stream fingerprints, as far as the runs tell which trainer wrote them."""
     if _torchtitan_run(run_a) or _torchtitan_run(run_b):
         return TORCHTITAN_ADVICE
-    return OWN_LOOP_ADVICE if prints.own_loop() else ADVICE
+    return OUTSIDE_ADVICE if prints.outside_the_trainer() else ADVICE
 
 
 def _torchtitan_run(run: Path) -> bool:
