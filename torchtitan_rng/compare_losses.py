@@ -38,8 +38,8 @@ TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in has 
                      "non-deterministic kernels")
 
 
-OUTSIDE_ADVICE = ("ExactResume and the HF Trainer integration record none (--debug.rng_fingerprint is the "
-                  "trainer's option); their tensor fingerprints say what differs")
+OUTSIDE_ADVICE = ("ExactResume and the HF Trainer and Lightning integrations record none (--debug.rng_fingerprint "
+                  "is the trainer's option); their tensor fingerprints say what differs")
 
 
 def _advice(run_a: Path, run_b: Path, prints: TensorPrints) -> str:

@@ -77,8 +77,8 @@ def test_max_norm_changed_at_the_resume_is_the_update(runs: dict[str, Path], cap
     capsys.readouterr()
     compare_losses([str(runs["reference"]), str(runs["max_norm"])])
     # ExactResume has no stream-fingerprint option: the trainer's is not advised.
-    assert ("no RNG fingerprints in A and B: ExactResume and the HF Trainer integration record none "
-            "(--debug.rng_fingerprint is the trainer's option); their tensor fingerprints say what differs"
+    assert ("no RNG fingerprints in A and B: ExactResume and the HF Trainer and Lightning integrations record "
+            "none (--debug.rng_fingerprint is the trainer's option); their tensor fingerprints say what differs"
             ) in capsys.readouterr().out
     code, lines = _located(runs["reference"], runs["max_norm"], capsys)
     assert code == 1 and lines == [

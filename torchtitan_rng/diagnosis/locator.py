@@ -436,9 +436,9 @@ class TensorPrints:
         return Launches(resumed_by(self.a, self.b, step), config_differences(self.a, self.b, step))
 
     def outside_the_trainer(self) -> bool:
-        """Whether a run's fingerprints were recorded outside this project's trainer (ExactResume, the HF
-        integration: their config, unlike the trainer's, has no ``job.dump_folder``): no stream-fingerprint option
-        to advise there."""
+        """Whether a run's fingerprints were recorded outside this project's trainer (ExactResume, the HF and
+        Lightning integrations: their config, unlike the trainer's, has no ``job.dump_folder``): no
+        stream-fingerprint option to advise there."""
         for run in (self.a, self.b):
             config = run.config(min(run.steps))[1] if run is not None and run.steps else None
             if config is not None and "job.dump_folder" not in config:

@@ -4,4 +4,5 @@
 # runs imports it once (tests/support/launch.py's ``preload``) instead of every rank of every run.
 PRELOAD = {"tests.support.integrations.hf_run": ("transformers.trainer",),
            "tests.support.integrations.hf_prints": ("transformers.trainer",),
-           "tests.support.integrations.lightning_run": ("lightning.pytorch",)}
+           "tests.support.integrations.lightning_run": ("lightning.pytorch",),
+           "tests.support.integrations.lightning_prints": ("lightning.pytorch",)}
