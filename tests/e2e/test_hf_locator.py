@@ -14,8 +14,10 @@ from tests.support.integrations import PRELOAD
 from tests.support.launch import launch, together
 from torchtitan_rng.compare_losses import main as compare_losses
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -e '.[hf]')")
+# The slow tier (CI runs it): the fast suite keeps its time budget; the own loop's runs stand for the recorder there.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                 reason="transformers is not installed (pip install -e '.[hf]')")]
 
 MODULE = "tests.support.integrations.hf_prints"
 STEPS, STOP_AT = 6, 3

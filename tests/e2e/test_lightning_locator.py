@@ -14,8 +14,10 @@ from tests.support.integrations import PRELOAD
 from tests.support.launch import launch, together
 from torchtitan_rng.compare_losses import main as compare_losses
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                                reason="lightning is not installed (pip install -e '.[lightning]')")
+# The slow tier (CI runs it): the fast suite keeps its time budget; the own loop's runs stand for the recorder there.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                                 reason="lightning is not installed (pip install -e '.[lightning]')")]
 
 MODULE = "tests.support.integrations.lightning_prints"
 STEPS, STOP_AT = 6, 3
