@@ -26,7 +26,8 @@ TensorBoard events are converted into a loss log here:
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
   wrapper's control: in-process, below).
 
-The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. Each fixture's runs
+The runs are the documented CPU example's (examples/torchtitan_cpu: its CPU adjustments, tiny configs and offline
+assets; the plug-in depends on none of it), with their files in a temporary folder. Each fixture's runs
 go side by side as cores free up (``together``); the learning rate is flat after warm-up
 (``--lr_scheduler.decay_ratio 0``) because torchtitan builds its schedule on ``training.steps``, which the
 end-of-steps stop changes.
@@ -61,11 +62,11 @@ from torchtitan_rng.loss_log import read_loss_log
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
 
-SUPPORT = REPO / "tests" / "support" / "integrations"
-# The runs' warm server imports torchtitan_run.py's module (the CPU adjustments, then torchtitan) and torchtitan's
-# Flux trainer once, not each rank of each run (tests/support/launch.py). One server for the whole file: every
-# run has the same start-up environment (one HF_HOME).
-PRELOAD = (str(SUPPORT / "torchtitan_run.py"), "torchtitan.models.flux.trainer")
+EXAMPLE = REPO / "examples" / "torchtitan_cpu"
+# The runs' warm server imports the example's train.py as a module (the CPU adjustments, then torchtitan) and
+# torchtitan's Flux trainer once, not each rank of each run (tests/support/launch.py). One server for the whole
+# file: every run has the same start-up environment (one HF_HOME).
+PRELOAD = (str(EXAMPLE / "train.py"), "torchtitan.models.flux.trainer")
 PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
@@ -73,11 +74,9 @@ STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log for
 
 def _command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_llama",
+            str(EXAMPLE / "train.py"), "--module", "tiny_configs", "--config", "tiny_llama",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
-            # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
-            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
-            "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
+            "--dump_folder", str(dump), "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
             "--training.steps", str(steps), *extra]
 
@@ -92,18 +91,19 @@ def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
 
 
 def _env(hf_home: Path) -> dict[str, str]:
-    # torchtitan_run.py's folder is first on the ranks' sys.path: --module torchtitan_cpu is found there.
+    # train.py's folder is first on the ranks' sys.path: --module tiny_configs is found there.
     return run_env({"HF_HOME": str(hf_home), "HF_DATASETS_OFFLINE": "1"})
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the llama runs read (``tokenizer/``, ``text/``), Flux's (``flux/``, written by its fixture) and the
-    Hugging Face cache of every run of the file (``hf_home/``: one start-up environment, one warm server)."""
-    from tests.support.integrations import torchtitan_cpu
-
+    """What the runs read, written by the example's write_assets.py (``tokenizer/``, ``text/``, and Flux's
+    ``t5_encoder/``, ``clip_encoder/``, ``images/``), and the Hugging Face cache of every run of the file
+    (``hf_home/``: one start-up environment, one warm server)."""
     root = tmp_path_factory.mktemp("torchtitan_assets")
-    torchtitan_cpu.write_assets(root)
+    proc = launch([sys.executable, str(EXAMPLE / "write_assets.py"), str(root)], env=_env(root / "hf_home"),
+                  preload=PRELOAD)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return root
 
 
@@ -497,7 +497,7 @@ def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str,
         assert all(same_bits(logged[step]["loss"], board[step]) and board[step] > 0 for step in board), layout
 
 
-# Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by torchtitan_cpu.tiny_flux),
+# Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by the example's tiny_flux),
 # offline: a local byte-level tokenizer for T5 and CLIP, randomly initialised tiny encoders, a WebDataset tar.
 # Its randomness is torchtitan's: the noise and timesteps of every step, the random crop and the caption
 # dropout drawn while the main process iterates the dataset (no loader workers), and the validator's sampling.
@@ -506,12 +506,12 @@ FLUX_STEPS, FLUX_STOP = STEPS, STOP
 
 def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_flux",
+            str(EXAMPLE / "train.py"), "--module", "tiny_configs", "--config", "tiny_flux",
             "--hf_assets_path", str(assets["tokenizer"]), "--tokenizer.t5_tokenizer_path", str(assets["tokenizer"]),
             "--tokenizer.clip_tokenizer_path", str(assets["tokenizer"]),
-            "--encoder.t5_encoder", str(assets["t5"]), "--encoder.clip_encoder", str(assets["clip"]),
+            "--encoder.t5_encoder", str(assets["t5_encoder"]), "--encoder.clip_encoder", str(assets["clip_encoder"]),
             "--dataloader.dataset", "cc12m-test", "--dataloader.dataset_path", str(assets["images"]),
-            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor", "--debug.seed", "7",
+            "--dump_folder", str(dump), "--debug.seed", "7",
             "--checkpoint.enable", "--checkpoint.interval", str(FLUX_STOP), "--metrics.log_freq", "1",
             "--training.steps", str(steps), *extra]
 
@@ -537,10 +537,8 @@ def flux_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[st
     process's own; the random crop and caption dropout are drawn in the worker): the plug-in uninterrupted, its
     checkpoint at 2 resumed to 4, and the control, the same checkpoint resumed with ``worker_streams`` off (the
     worker restarts its streams from the loader's seed)."""
-    from tests.support.integrations import torchtitan_cpu
-
     root = tmp_path_factory.mktemp("flux")
-    flux = {**torchtitan_cpu.write_flux_assets(assets / "flux"), "hf_home": assets / "hf_home"}
+    flux = {name: assets / name for name in ("tokenizer", "t5_encoder", "clip_encoder", "images", "hf_home")}
     names = ("full", "stopped", "stock", "workers_full", "workers_stopped", "workers_off")
     dumps = {name: root / name for name in names}
     plugin = ("--override.imports", PLUGIN, "--validator.enable", "--validator.freq", str(FLUX_STOP),
