@@ -432,10 +432,6 @@ class ExactResume:
         are hashed up to the step's first call. Without ``tensor_fingerprint`` it does nothing."""
         if self.prints is None:
             return
-        if isinstance(batch, torch.Tensor):
-            batch = {"input": batch}
-        elif isinstance(batch, (list, tuple)):
-            batch = {str(index): value for index, value in enumerate(batch)}
         self.prints.batch(batch)
         if loss is not None:
             self.prints.loss(loss)

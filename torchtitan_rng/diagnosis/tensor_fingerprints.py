@@ -217,10 +217,19 @@ class TensorFingerprints:
             self.batch(batch)
             yield batch
 
-    def batch(self, batch: dict[str, Any]) -> None:
-        """One micro-batch of this step, hashed per entry and sample."""
+    def batch(self, batch: dict[str, Any] | list[Any] | tuple[Any, ...] | torch.Tensor) -> None:
+        """One micro-batch of this step, hashed per entry and sample: a dict's entries by key, a tuple's or list's
+        by index (``"0"``, ``"1"``...), a lone tensor as ``input``."""
+        if isinstance(batch, torch.Tensor):
+            batch = {"input": batch}
+        elif isinstance(batch, (list, tuple)):
+            batch = {str(index): value for index, value in enumerate(batch)}
         self.record.setdefault("batch", []).append(
             {key: row_hashes(value) for key, value in batch.items() if isinstance(value, torch.Tensor)})
+
+    def flush(self) -> None:
+        """Write what is queued (a framework's save: its own sync point)."""
+        self.writer.flush()
 
     def loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss as this rank computed it, before any reduction over ranks."""

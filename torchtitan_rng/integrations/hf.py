@@ -146,7 +146,7 @@ class _Fingerprints(transformers.TrainerCallback):
     def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                 control: transformers.TrainerControl, **kwargs: Any) -> None:
         if self.prints is not None:
-            self.prints.writer.flush()
+            self.prints.flush()
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: Any) -> None:

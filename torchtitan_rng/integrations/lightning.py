@@ -181,7 +181,7 @@ class ExactResumeCallback(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if self._prints is not None and self._prints.prints is not None:
-            self._prints.prints.writer.flush()  # the fingerprints so far, read at the save's own sync
+            self._prints.prints.flush()  # the fingerprints so far, read at the save's own sync
         loaders = _epoch_loaders(trainer)  # during training, or after it (its end position)
         if not loaders:  # saved before any training: there is no loader position to keep
             return
@@ -277,10 +277,6 @@ class _Fingerprints:
                 config=json.loads(json.dumps(config, default=repr)))
         if self.prints.record.get("step") != trainer.global_step + 1:  # the step's first micro-batch
             self.prints.step_begin(trainer.global_step + 1)
-        if isinstance(batch, torch.Tensor):
-            batch = {"input": batch}
-        elif isinstance(batch, (list, tuple)):
-            batch = {str(index): value for index, value in enumerate(batch)}
         self.prints.batch(batch)
 
     def batch_end(self, trainer: L.Trainer, outputs: Any) -> None:
