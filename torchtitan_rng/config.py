@@ -195,8 +195,12 @@ class Metrics:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = _key(-1, "processes that shard each stage of the model (FSDP2), as in "
-                                           "torchtitan: data_parallel_shard_degree x pipeline_parallel_degree = the "
-                                           "process count; -1: what the pipeline degree leaves (processes / pp)")
+                                           "torchtitan: data_parallel_shard_degree x tensor_parallel_degree x "
+                                           "pipeline_parallel_degree = the process count; -1: what the other degrees "
+                                           "leave (processes / (tp x pp))")
+    tensor_parallel_degree: int = _key(1, "processes that split each layer's weights (tensor parallelism with "
+                                       "torch's DTensor styles, docs/tensor_parallel.md); they read the same "
+                                       "batches and hold the same random streams")
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
                                       "gradients summed in slot order, sharded by FSDP2 (docs/world_size_invariant.md)")
@@ -268,6 +272,7 @@ _MINIMUMS: dict[str, float] = {
     "training.steps": 1,
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.tensor_parallel_degree": 1,
     "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,

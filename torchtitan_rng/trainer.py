@@ -172,7 +172,7 @@ class Trainer:
             batches = self.tensor_prints.batches(batches)
         # The global streams, last thing before the first step: after model build, the loader's iterator and
         # everything else that runs once at start-up, so that none of it shifts them.
-        resume.start_streams(self.stream_plan, train_state, config.debug.seed, world.rank)
+        resume.start_streams(self.stream_plan, train_state, config.debug.seed, self.plan.stream_rank)
 
         loss_log = LossLogWriter(loss_log_path(self.dump_folder)) if world.rank == 0 else None
         if loss_log is not None:
