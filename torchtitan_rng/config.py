@@ -232,9 +232,10 @@ class Debug:
     deterministic: bool = _key(False, "torch's deterministic algorithms (and a fixed cuBLAS workspace)")
     rng_fingerprint: bool = _key(False, "write a fingerprint of every random stream, per rank, into each "
                                  "loss-log line (docs/diagnosis.md)")
-    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, gradient, parameter and optimizer "
-                                    "state, per step and rank, into tensor_fingerprints/ in the dump folder; "
-                                    "compare_losses then names the first tensor that differs (docs/diagnosis.md)")
+    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, its loss, each gradient, parameter "
+                                    "and optimizer state, per step and rank, and the run's config, into "
+                                    "tensor_fingerprints/ in the dump folder; compare_losses then names the first "
+                                    "tensor that differs (docs/diagnosis.md)")
     fingerprint_modules_at_step: int = _key(0, "with debug.tensor_fingerprint: at this step also hash the inputs and "
                                             "outputs of every module (forward hooks, that step only); 0: none")
     perturb_rng: str = _key("", "fault injection STREAM:RANK:STEP: one extra draw from one stream of one rank "

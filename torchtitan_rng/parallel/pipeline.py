@@ -213,8 +213,13 @@ class StagedLayout(Layout):
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
         self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
-        # The ranks of this rank's stages: its dp ranks, or with tensor parallelism its dp x tp ranks.
-        self._stage_group = self.dp_mesh.get_group() if tp == 1 else mesh["dp_shard", "tp"]._flatten().get_group()
+        # The ranks of this rank's stages: its dp ranks, or with tensor parallelism its dp x tp ranks (one group
+        # per stage, every rank creating each, as new_group requires).
+        self._stage_group = self.dp_mesh.get_group()
+        if tp > 1:
+            per_stage = self.dp * tp
+            groups = [dist.new_group(list(range(p * per_stage, (p + 1) * per_stage))) for p in range(self.pp)]
+            self._stage_group = groups[self.pp_rank]
         self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
