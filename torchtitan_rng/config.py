@@ -197,8 +197,12 @@ class Metrics:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = _key(-1, "processes that shard each stage of the model (FSDP2), as in "
-                                           "torchtitan: data_parallel_shard_degree x pipeline_parallel_degree = the "
-                                           "process count; -1: what the pipeline degree leaves (processes / pp)")
+                                           "torchtitan: data_parallel_shard_degree x tensor_parallel_degree x "
+                                           "pipeline_parallel_degree = the process count; -1: what the other degrees "
+                                           "leave (processes / (tp x pp))")
+    tensor_parallel_degree: int = _key(1, "processes that split each layer's weights (tensor parallelism with "
+                                       "torch's DTensor styles, docs/tensor_parallel.md); they read the same "
+                                       "batches and hold the same random streams")
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
                                       "gradients summed in slot order, sharded by FSDP2 (docs/world_size_invariant.md)")
@@ -212,6 +216,10 @@ class Parallelism:
                                                   "parallelism.world_size_invariant (the only size that mode runs)")
     pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
                                                      "stages); empty: layers split evenly")
+    tensor_parallel_chunks: int = _key(4, "with parallelism.world_size_invariant: the chunks every tensor-split "
+                                       "dimension (attention heads, MLP hidden features) is computed in, at every "
+                                       "tensor-parallel degree, so that any degree dividing it gives the same bits "
+                                       "(the largest degree the run may use; docs/world_size_invariant.md)")
 
 
 @dataclass
@@ -226,9 +234,10 @@ class Debug:
     deterministic: bool = _key(False, "torch's deterministic algorithms (and a fixed cuBLAS workspace)")
     rng_fingerprint: bool = _key(False, "write a fingerprint of every random stream, per rank, into each "
                                  "loss-log line (docs/diagnosis.md)")
-    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, gradient, parameter and optimizer "
-                                    "state, per step and rank, into tensor_fingerprints/ in the dump folder; "
-                                    "compare_losses then names the first tensor that differs (docs/diagnosis.md)")
+    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, its loss, each gradient, parameter "
+                                    "and optimizer state, per step and rank, and the run's config, into "
+                                    "tensor_fingerprints/ in the dump folder; compare_losses then names the first "
+                                    "tensor that differs (docs/diagnosis.md)")
     fingerprint_modules_at_step: int = _key(0, "with debug.tensor_fingerprint: at this step also hash the inputs and "
                                             "outputs of every module (forward hooks, that step only); 0: none")
     perturb_rng: str = _key("", "fault injection STREAM:RANK:STEP: one extra draw from one stream of one rank "
@@ -269,6 +278,8 @@ _MINIMUMS: dict[str, float] = {
     "training.steps": 1,
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.tensor_parallel_degree": 1,
+    "parallelism.tensor_parallel_chunks": 1,
     "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,
@@ -759,3 +770,24 @@ def to_flags(config: JobConfig) -> list[str]:
             value = str(value).lower()
         flags.append(f"--{key.dotted}={value}")
     return flags
+
+
+# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
+QUIET = (
+    "job.config_file", "job.dump_folder", "job.description",
+    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
+    "metrics.*", "signals.*",
+    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
+    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
+    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
+    # (data.on_num_workers_change).
+    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
+    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
+    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
+    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
+    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
+)
+
+
+def is_quiet(key: str) -> bool:
+    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET

@@ -53,6 +53,8 @@ def _check(rank: int) -> Callable[[dict[str, Any]], None]:
         if not (isinstance(batches, list) and all(isinstance(batch, dict) and all(map(_int_list, batch.values()))
                                                   for batch in batches)):
             raise ValueError("batch is not a list of hashes per micro-batch")
+        if not _int_list(record.get("loss", [])):
+            raise ValueError("loss is not a list of hashes per micro-batch")
         calls = record.get("modules", [])
         if not (isinstance(calls, list) and all(map(_call, calls))):
             raise ValueError("modules is not a list of [name, input hashes, output hashes]")

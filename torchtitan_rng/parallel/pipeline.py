@@ -1,6 +1,7 @@
 """The staged layout: the model split into stages over ``pp`` ranks, each stage sharded by FSDP2 over its ``dp``
-ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it;
-``data_parallel_shard_degree x pipeline_parallel_degree`` = the process count).
+ranks and split over its ``tp`` ranks (``tensor.py``), on one 3-D mesh of ``pp x dp x tp`` processes (rank =
+(pp_rank x dp + dp_rank) x tp + tp_rank, as torchtitan lays it; ``data_parallel_shard_degree x
+tensor_parallel_degree x pipeline_parallel_degree`` = the process count).
 
 A step is an optimizer step, as without stages: ``torch.distributed.pipelining`` runs the rank's loader batches
 through the schedule, each split into ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches (the
@@ -33,8 +34,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, Training
 from torchtitan_rng.distributed import World, data_parallel_degree
-from torchtitan_rng.parallel import wrapping
+from torchtitan_rng.parallel import tensor, wrapping
 from torchtitan_rng.parallel.layout import Layout, to_device
+from torchtitan_rng.parallel.tensor import TensorDimension
 from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec, registered_specs
 
@@ -187,6 +189,13 @@ class PlanStage(PipelineStage):
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        # torch >= 2.15's stage turns on FSDP2's manual backward finalization at every forward, which defers the
+        # reduction of a group no backward hook reached (the root's, when the stage's inputs need no gradient)
+        # to the schedule's last action; finish it now. Older torch has no such mode (nor the method): its
+        # backward callback already reduced every group.
+        finalize = getattr(self.submod, "finalize_backward", None)
+        if finalize is not None:
+            finalize()
         self._backwards += 1
         if self._backwards < len(self._run.micro_batches):
             # The gradients are views of the exchanges' shards: FSDP2 must assign the next ones, not add them.
@@ -204,10 +213,20 @@ class StagedLayout(Layout):
         super().__init__(config, world)
         self.pp = config.parallelism.pipeline_parallel_degree
         self.dp = data_parallel_degree(config.parallelism, world.world_size)
-        self.pp_rank, self.dp_rank = divmod(world.rank, self.dp)
-        mesh = init_device_mesh(world.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp_shard"))
+        tp = config.parallelism.tensor_parallel_degree
+        self.pp_rank, self.dp_rank = divmod(world.rank // tp, self.dp)
+        dims = {"pp": self.pp, "dp_shard": self.dp, **({"tp": tp} if tp > 1 else {})}  # no groups of one
+        mesh = init_device_mesh(world.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
+        self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
+        # The ranks of this rank's stages: its dp ranks, or with tensor parallelism its dp x tp ranks (one group
+        # per stage, every rank creating each, as new_group requires).
+        self._stage_group = self.dp_mesh.get_group()
+        if tp > 1:
+            per_stage = self.dp * tp
+            groups = [dist.new_group(list(range(p * per_stage, (p + 1) * per_stage))) for p in range(self.pp)]
+            self._stage_group = groups[self.pp_rank]
         self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
@@ -227,7 +246,11 @@ class StagedLayout(Layout):
             raise ConfigError(_does_not_split(spec.name, pp))
         numerics.check_stages(par, training)
         numerics.check_data(training, config.data, data_parallel_degree(par, world_size),
+                            "data-parallel ranks (processes / (pipeline_parallel_degree x tensor_parallel_degree))"
+                            if par.tensor_parallel_degree > 1 else
                             "data-parallel ranks (processes / pipeline_parallel_degree)")
+        numerics.check_tensor_parallel(config)
+        tensor.check_config(config)
         if training.local_batch_size % numerics.microbatch_size(par, training):
             raise ConfigError(f"config {_KEY}_microbatch_size = {par.pipeline_parallel_microbatch_size} does not "
                               f"divide training.local_batch_size = {training.local_batch_size}; choose a divisor")
@@ -261,7 +284,8 @@ class StagedLayout(Layout):
         return {**values, _SPLIT_KEY: [f"{_SPLIT_PREFIX}{layers[0]}" for layers in stages[1:]]}
 
     def describe(self, numerics: Numerics) -> str:
-        return describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
+        stages = describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
+        return f"{stages}; {self.tensor.describe()}" if self.tensor.mesh is not None else stages
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -271,11 +295,15 @@ class StagedLayout(Layout):
     def data_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
 
+    @property
+    def stage_group(self) -> dist.ProcessGroup:
+        return self._stage_group
+
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.model_order = [name for name, _ in trainable]
         self.model_rows = [p.shape[0] if p.dim() else 1 for _, p in trainable]
-        modules = self._split_model(model, spec)
+        modules = self._split_model(model, spec, numerics)
         numerics.hook_model(model, spec)
         sharded = self.dp > 1
         if sharded:
@@ -288,7 +316,7 @@ class StagedLayout(Layout):
         self._build_schedule(modules, numerics)
         return spec.loss_fn
 
-    def _split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
+    def _split_model(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> list[nn.Module]:
         """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
         if spec.pipeline is None or spec.block_lists is None:
             raise ConfigError(_does_not_split(spec.name, self.pp))
@@ -300,6 +328,7 @@ class StagedLayout(Layout):
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
+        numerics.split_layers(model, spec, self.tensor)
         wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
@@ -395,9 +424,10 @@ class StagedLayout(Layout):
         total = torch.zeros((), device=self.world.device)
         if self.holds_loss:
             total = torch.stack(losses).mean()
-        # Only the last stage's ranks add a loss: the sum over all ranks is the sum over the dp ranks.
+        # Only the last stage's ranks add a loss: the sum over all ranks is the sum over its dp x tp ranks (those
+        # of a tensor-parallel group hold the same loss).
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total / self.dp
+        return total / (self.dp * self.tensor.degree)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The whole model's norm: each stage's (over its dp shards), squared and summed over the stages."""

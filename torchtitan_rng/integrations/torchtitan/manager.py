@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch.distributed as dist
 from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
@@ -20,12 +19,11 @@ from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_values
 from torchtitan_rng.integrations.torchtitan.layout import layout_change, layout_of, saved_stream_ranks
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
-from torchtitan_rng.integrations.torchtitan.mask_groups import MASK_STREAMS, tensor_parallel_mismatch
 from torchtitan_rng.integrations.torchtitan.stop import SignalStop
 from torchtitan_rng.integrations.torchtitan.streams import (STREAMS_PART, _PreservedStreamsValidator,
                                                             _RestoreAfterIter)
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
-from torchtitan_rng.rng import capture_global_rng, fingerprint
+from torchtitan_rng.rng import group_mask_streams
 
 
 class ExactResumeCheckpointManager(CheckpointManager):
@@ -160,16 +158,11 @@ class ExactResumeCheckpointManager(CheckpointManager):
         their fingerprints); the group's first rank names a difference."""
         if self._tp_group is None:
             return
-        state = capture_global_rng(self.trainer.device)
-        mine = {name: fingerprint(state[name]) for name in MASK_STREAMS}
-        gathered: list[Any] = [None] * dist.get_world_size(self._tp_group)
-        dist.all_gather_object(gathered, mine, group=self._tp_group)
-        ranks = dist.get_process_group_ranks(self._tp_group)
-        line = tensor_parallel_mismatch(step, ranks, gathered)
+        ranks, line = group_mask_streams(step, self._tp_group, self.trainer.device)
         if self.streams.rank != ranks[0]:
             return
         if line is not None:
-            logger.warning(line)
+            logger.warning(f"torchtitan_rng: {line}")
         else:
             logger.info(f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks "
                         f"{', '.join(map(str, ranks))} are equal")
