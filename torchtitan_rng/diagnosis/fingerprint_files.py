@@ -30,8 +30,10 @@ def _int_list(value: Any) -> bool:
 
 
 def _call(value: Any) -> bool:
-    return (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
-            and _int_list(value[1]) and _int_list(value[2]))
+    """``[name, input hashes, output hashes]``, then the hash of the stream a call drew from (or null)."""
+    return (isinstance(value, list) and len(value) in (3, 4) and isinstance(value[0], str)
+            and _int_list(value[1]) and _int_list(value[2]) and (len(value) == 3 or value[3] is None
+                                                                   or is_int(value[3])))
 
 
 def _check(rank: int) -> Callable[[dict[str, Any]], None]:
@@ -57,7 +59,7 @@ def _check(rank: int) -> Callable[[dict[str, Any]], None]:
             raise ValueError("loss is not a list of hashes per micro-batch")
         calls = record.get("modules", [])
         if not (isinstance(calls, list) and all(map(_call, calls))):
-            raise ValueError("modules is not a list of [name, input hashes, output hashes]")
+            raise ValueError("modules is not a list of [name, input hashes, output hashes, drawn]")
         sharded = record.get("sharded", [])
         if not (isinstance(sharded, list) and all(isinstance(name, str) for name in sharded)):
             raise ValueError("sharded is not a list of names")
