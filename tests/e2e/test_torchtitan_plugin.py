@@ -71,15 +71,15 @@ STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
 
 
-def _command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
+def _command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2, seed: int | None = 7) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_llama",
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
             # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
             "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
-            "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
-            "--training.steps", str(steps), *extra]
+            "--lr_scheduler.decay_ratio", "0", *(("--debug.seed", str(seed)) if seed is not None else ()),
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--metrics.enable_tensorboard",
+            "--metrics.log_freq", "1", "--training.steps", str(steps), *extra]
 
 
 def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
@@ -112,9 +112,11 @@ def _compare(a: Path, b: Path) -> Comparison:
     return compare_records(read_loss_log(a), read_loss_log(b))
 
 
-def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets / "hf_home"),
-                  timeout=400, processes=nproc, preload=PRELOAD)
+def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2,
+           seed: int | None = 7) -> subprocess.CompletedProcess:
+    # An unseeded run starts new interpreters: forked from the warm server, every run would start with its seed.
+    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc, seed=seed), env=_env(assets / "hf_home"),
+                  timeout=400, processes=nproc, preload=PRELOAD, warm=seed is not None)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
@@ -377,6 +379,46 @@ def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path], tm
     later = load_checkpoint(runs["stopped"] / "checkpoint" / f"step-{STEPS}", tmp_path / "later.pt")
     with pytest.raises(AssertionError, match="differ|!="):
         assert_same_tensors(stock, {key: later[key] for key in stock})
+
+
+@pytest.fixture(scope="module")
+def unseeded_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
+    """Two plug-in runs of one step without ``--debug.seed`` (2 processes): torchtitan seeds each at random."""
+    root = tmp_path_factory.mktemp("torchtitan_unseeded")
+    dumps = {name: root / name for name in ("first", "second")}
+    together(*(lambda dump=dump: _train(assets, dump, 1, "--override.imports", PLUGIN, seed=None)
+               for dump in dumps.values()))
+    return dumps
+
+
+def test_an_unseeded_run_is_named_and_cannot_be_compared(unseeded_runs: dict[str, Path]) -> None:
+    from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
+
+    for dump in unseeded_runs.values():
+        out = (dump.parent / f"{dump.name}.out").read_text()
+        warnings = [line for line in out.splitlines() if "WARNING - torchtitan_rng" in line]
+        assert len(warnings) == 1 and warnings[0].endswith(str(unseeded_run(None))), warnings
+    # What the line says: two runs of the same command differ from step 1. (Its control, a seeded run saying
+    # nothing: test_changed_config_key_is_named_on_resume's stopped run, seeded, has no torchtitan_rng WARNING.)
+    result = _compare(unseeded_runs["first"], unseeded_runs["second"])
+    assert _first_difference(result) == 1, result.message
+
+
+def test_a_bad_option_is_one_line_from_rank_0_and_exit_2(assets: Path, tmp_path: Path) -> None:
+    # A string where the option takes a list (it used to be read letter by letter, as the signal 'S').
+    bad = PLUGIN + '={"signals": "SIGTERM"}'
+    proc = launch(_command(assets, tmp_path / "bad", 1, "--override.imports", bad), env=_env(assets / "hf_home"),
+                  timeout=400, processes=2, preload=PRELOAD)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "torchtitan_rng:" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        'ERROR - torchtitan_rng: exact_resume option "signals" is "SIGTERM", not a list of signal names: write it '
+        'as {"signals": ["SIGTERM", "SIGUSR1"]}'), lines
+    # Both ranks exited 2, before building anything, without a traceback: the one traceback is torchrun's own
+    # report of failed ranks (ChildFailedError, whatever made them fail; the stock command has no other launcher).
+    assert out.count("exitcode  : 2") == 2 and "Building llama3" not in out, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in out, out[-5000:]
 
 
 # Pipeline and tensor parallelism on 2 processes (no data parallelism): the plug-in uninterrupted and resumed,

@@ -51,7 +51,10 @@ from typing import Any
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config.override import derive, override
+from torchtitan.tools.logging import logger
 
+from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.errors import EXIT_CODE, ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.torchtitan.drift import DEGREE_KEYS, QUIET_KEYS, config_drift, config_values
 from torchtitan_rng.integrations.torchtitan.layout import (describe_layout, layout_change, layout_of,
@@ -59,6 +62,7 @@ from torchtitan_rng.integrations.torchtitan.layout import (describe_layout, layo
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
 from torchtitan_rng.integrations.torchtitan.manager import ExactResumeCheckpointManager
 from torchtitan_rng.integrations.torchtitan.mask_groups import MASK_STREAMS, tensor_parallel_mismatch
+from torchtitan_rng.integrations.torchtitan.options import check_options
 from torchtitan_rng.integrations.torchtitan.standins import provide_presplit_step, provide_set_timeout
 from torchtitan_rng.integrations.torchtitan.streams import STREAMS_PART, _PreservedStreamsValidator
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
@@ -80,5 +84,12 @@ provide_presplit_step()
 def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
     """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
     (``signals``, ``restore_streams_at``, ``worker_streams``) come from
-    ``--override.imports 'TARGET={"signals": [...]}'``."""
+    ``--override.imports 'TARGET={"signals": [...]}'``. A bad one: one line from rank 0 and exit 2 on every rank
+    (torchtitan applies overrides on every rank, after starting the process group), no traceback."""
+    try:
+        check_options(options)
+    except ConfigError as err:
+        if rank_and_world_size()[0] == 0:
+            logger.error(f"torchtitan_rng: {err}")
+        raise SystemExit(EXIT_CODE) from None
     return derive(config, ExactResumeCheckpointManager.Config, **options)

@@ -21,6 +21,8 @@ from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_va
 from torchtitan_rng.integrations.torchtitan.layout import layout_change, layout_of, saved_stream_ranks
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
 from torchtitan_rng.integrations.torchtitan.mask_groups import MASK_STREAMS, tensor_parallel_mismatch
+from torchtitan_rng.integrations.torchtitan.options import check_options
+from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
 from torchtitan_rng.integrations.torchtitan.stop import SignalStop
 from torchtitan_rng.integrations.torchtitan.streams import (STREAMS_PART, _PreservedStreamsValidator,
                                                             _RestoreAfterIter)
@@ -46,14 +48,17 @@ class ExactResumeCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.restore_streams_at not in ("first_iter", "load"):
-                raise ValueError(f"torchtitan_rng: restore_streams_at = {self.restore_streams_at!r}; use "
-                                 "\"first_iter\" (exact) or \"load\"")
-            checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
+            # The override checks its options before building this; a config built in code, here.
+            check_options({"signals": self.signals, "restore_streams_at": self.restore_streams_at,
+                           "worker_streams": self.worker_streams})
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
-        self.loss_log = attach_loss_log(kwargs["states"][TRAIN_STATE])
+        trainer = kwargs["states"][TRAIN_STATE]
+        self.loss_log = attach_loss_log(trainer)
+        unseeded = unseeded_run(trainer.config.debug.seed)
+        if unseeded is not None and rank_and_world_size()[0] == 0:
+            logger.warning(unseeded)
         super().__init__(config, **kwargs)
         if not self.enable:
             if rank_and_world_size()[0] == 0:
