@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch.distributed as dist
 from torchtitan.components.checkpointer import TRAIN_STATE, CheckpointManager
 from torchtitan.tools.logging import logger
 
@@ -20,14 +19,13 @@ from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_values
 from torchtitan_rng.integrations.torchtitan.layout import layout_change, layout_of, saved_stream_ranks
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
-from torchtitan_rng.integrations.torchtitan.mask_groups import MASK_STREAMS, tensor_parallel_mismatch
+from torchtitan_rng.integrations.torchtitan.mask_groups import check_mask_groups, mask_groups
 from torchtitan_rng.integrations.torchtitan.options import check_options
 from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
 from torchtitan_rng.integrations.torchtitan.stop import SignalStop
 from torchtitan_rng.integrations.torchtitan.streams import (STREAMS_PART, _PreservedStreamsValidator,
                                                             _RestoreAfterIter)
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
-from torchtitan_rng.rng import capture_global_rng, fingerprint
 
 
 class ExactResumeCheckpointManager(CheckpointManager):
@@ -72,8 +70,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self._restore_pending = False
         self._stop_step: int | None = None
         self.stop: SignalStop | None = SignalStop(config.signals)  # a collective: every rank builds its manager here
-        dims = self.trainer.parallel_dims
-        self._tp_group = dims.get_mesh("tp").get_group() if dims.tp_enabled else None
+        self._mask_groups = mask_groups(self.trainer.parallel_dims)
         line = carry_worker_streams(self.trainer.dataloader, config.worker_streams)
         if line is not None and self.streams.rank == 0:
             logger.warning(line)
@@ -148,36 +145,17 @@ class ExactResumeCheckpointManager(CheckpointManager):
         assert self.stop is not None
         if not self.stop.agreed():
             if self._should_save(curr_step, last_step):
-                self._check_tensor_parallel_streams(curr_step)
+                check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
             self._write_record(curr_step, last_step)
             return super()._save(curr_step, last_step)
         self._stop_step = curr_step
-        self._check_tensor_parallel_streams(curr_step)
+        check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
         self._write_record(curr_step, False)
         saved = super()._save(curr_step, last_step=False)  # last_step would save the model only by default
         self.maybe_wait_for_saving()
         logger.info(f"torchtitan_rng: stop signal: saved a full checkpoint at step {curr_step}; stopping")
         self.trainer.config.training.steps = curr_step  # the loop ends after this step
         return saved
-
-    def _check_tensor_parallel_streams(self, step: int) -> None:
-        """At a save, every rank of a tensor-parallel group: compare the group's mask streams (one gather of
-        their fingerprints); the group's first rank names a difference."""
-        if self._tp_group is None:
-            return
-        state = capture_global_rng(self.trainer.device)
-        mine = {name: fingerprint(state[name]) for name in MASK_STREAMS}
-        gathered: list[Any] = [None] * dist.get_world_size(self._tp_group)
-        dist.all_gather_object(gathered, mine, group=self._tp_group)
-        ranks = dist.get_process_group_ranks(self._tp_group)
-        line = tensor_parallel_mismatch(step, ranks, gathered)
-        if self.streams.rank != ranks[0]:
-            return
-        if line is not None:
-            logger.warning(line)
-        else:
-            logger.info(f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks "
-                        f"{', '.join(map(str, ranks))} are equal")
 
     def _write_record(self, step: int, last_step: bool) -> None:
         """Rank 0 puts the run record into the folder of a checkpoint about to be saved (before DCP writes
