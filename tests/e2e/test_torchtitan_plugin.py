@@ -1,6 +1,7 @@
 """The torchtitan plug-in (``--override.imports torchtitan_rng.integrations.torchtitan.exact_resume``) with the
 real torchtitan 0.3 wheel: 2 processes on the CPU (gloo, FSDP2), a 2-layer llama with attention dropout, and a
-tiny Flux (at the end of the file).
+tiny Flux (at the end of the file). The 2-D, context- and expert-parallel layouts (4 processes): the slow tier's
+tests/e2e/test_torchtitan_layouts.py.
 
 Every run trains the same 4 steps (or part of them); the losses are torchtitan's own float32 global average
 loss, compared bit for bit by ``compare_losses``: the plug-in's runs write ``loss_log.jsonl`` themselves (equal
@@ -21,6 +22,9 @@ TensorBoard events are converted into a loss log here:
   a full checkpoint at the agreed step and exits 0; 1F1B) and tensor parallel 2: resumed == uninterrupted; stock
   torchtitan resuming the same checkpoint differs; under tensor parallelism the ranks' mask streams are equal
   at every save, as the plug-in's check says;
+* without ``--debug.seed`` (torchtitan seeds at random) rank 0 names the run in one WARNING line, and two such
+  runs differ from step 1; a bad option (a string where a list of signals goes) is one line from rank 0 and
+  exit 2 on every rank, no rank's traceback;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
