@@ -1,11 +1,11 @@
 """The torchtitan plug-in on the layouts big runs use, with the real torchtitan 0.3 wheel on the CPU (gloo, the
-test-only adjustments of tests/support/integrations/torchtitan_cpu.py): 2-D layouts on 4 processes, context
-parallel, and an MoE model with expert parallel. The slow tier: 4-process runs on a small machine.
+documented CPU example examples/torchtitan_cpu): 2-D layouts on 4 processes, context parallel, and an MoE model
+with expert parallel. The slow tier: 4-process runs on a small machine.
 
 For each layout one uninterrupted plug-in run to step 4 (``full``, saving at 2 and 4, validating at 1, 2 and 4)
 is the reference; its checkpoint at step 2 is resumed to 4 by the plug-in (``resumed``: bitwise equal to
 ``full`` at every step) and by stock torchtitan (``stock``, the control: it ignores the streams and differs from
-step 3). The model draws at random in its attention (dropout 0.1, the CPU adjustments' attention).
+step 3). The model draws at random in its attention (dropout 0.1, the example's attention).
 
 * FSDP 2 x TP 2, PP 2 x FSDP 2 (1F1B), HSDP (replicate 2 x shard 2), PP 2 x TP 2: 4 processes, llama;
 * context parallel 2 (2 processes) and context parallel 2 x FSDP 2 (4): llama with ``--training.seq_len 256``
@@ -31,7 +31,7 @@ import pytest
 from tests.support.checks import load_checkpoint
 from tests.support.integrations.torchtitan_launch import (assets, compare_dumps, copy_checkpoint,  # noqa: F401
                                                           first_difference, plugin_flags, signalled_run, stop_step,
-                                                          train_llama)
+                                                          train_titan)
 from tests.support.launch import together
 
 pytestmark = [pytest.mark.slow,
@@ -71,7 +71,7 @@ FSDP4 = ("--parallelism.data_parallel_shard_degree", "4")
 
 
 def _train(assets: Path, layout: Layout, dump: Path, *extra: str) -> str:
-    proc = train_llama(assets, dump, STEPS, *extra, *layout.flags, nproc=layout.processes, config=layout.config)
+    proc = train_titan(assets, dump, STEPS, *extra, *layout.flags, nproc=layout.processes, config=layout.config)
     return proc.stdout + proc.stderr
 
 
@@ -102,7 +102,7 @@ def layout_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                    lambda: _train(assets, layout, dumps["stock"])]
         if "reshaped" in dumps:
             # torchtitan's dataloader refuses another data-parallel degree: its state is not loaded.
-            resumes.append(lambda: train_llama(assets, dumps["reshaped"], STEPS, *plugin, *FSDP4,
+            resumes.append(lambda: train_titan(assets, dumps["reshaped"], STEPS, *plugin, *FSDP4,
                                                "--checkpoint.exclude_from_loading", "dataloader", nproc=4))
         together(*resumes)
 

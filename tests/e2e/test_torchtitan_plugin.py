@@ -30,7 +30,8 @@ TensorBoard events are converted into a loss log here:
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
   wrapper's control: in-process, below).
 
-The CPU adjustments (tests/support/integrations/torchtitan_cpu.py) are test support only. Each fixture's runs
+The runs are the documented CPU example's (examples/torchtitan_cpu: its CPU adjustments, tiny configs and offline
+assets; the plug-in depends on none of it), with their files in a temporary folder. Each fixture's runs
 go side by side as cores free up (``together``); the learning rate is flat after warm-up
 (``--lr_scheduler.decay_ratio 0``) because torchtitan builds its schedule on ``training.steps``, which the
 end-of-steps stop changes.
@@ -54,10 +55,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.checks import assert_same_tensors, load_checkpoint
-from tests.support.integrations.torchtitan_launch import (PLUGIN, PRELOAD, SUPPORT, assets, compare_dumps,  # noqa: F401
-                                                          copy_checkpoint, first_difference, llama_command,
+from tests.support.integrations.torchtitan_launch import (EXAMPLE, PLUGIN, PRELOAD, assets, compare_dumps,  # noqa: F401
+                                                          copy_checkpoint, first_difference, titan_command,
                                                           plugin_flags, signalled_run, stop_step, tensorboard_losses,
-                                                          titan_env, train_llama)
+                                                          titan_env, train_titan)
 from tests.support.launch import compare, launch, together
 from torchtitan_rng.loss_log import read_loss_log
 
@@ -89,26 +90,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Pa
         # torchtitan's dataloader refuses another dp degree (an assertion), so its state is not loaded: the
         # documented way to change the process count.
         other = (*plugin, "--checkpoint.exclude_from_loading", "dataloader")
-        keep("fewer", train_llama(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
+        keep("fewer", train_titan(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
         copy_checkpoint(dumps["fewer"], dumps["more"], STOP + 1)
-        keep("more", train_llama(assets, dumps["more"], STEPS, *other))
+        keep("more", train_titan(assets, dumps["more"], STEPS, *other))
 
     def stopped_and_resumed() -> None:
-        train_llama(assets, dumps["stopped"], STOP, *plugin)
+        train_titan(assets, dumps["stopped"], STOP, *plugin)
         for name in ("at_load", "plugin_ckpt", "fewer"):
             copy_checkpoint(dumps["stopped"], dumps[name], STOP)
-        together(lambda: keep("stopped", train_llama(assets, dumps["stopped"], STEPS, *plugin)),
+        together(lambda: keep("stopped", train_titan(assets, dumps["stopped"], STEPS, *plugin)),
                  # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
-                 lambda: keep("at_load", train_llama(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
+                 lambda: keep("at_load", train_titan(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
                                                 "49")),
-                 lambda: keep("plugin_ckpt", train_llama(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
+                 lambda: keep("plugin_ckpt", train_titan(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
 
     def stock() -> None:
-        train_llama(assets, dumps["stock"], STOP)
+        train_titan(assets, dumps["stock"], STOP)
         copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
-        keep("stock_ckpt", train_llama(assets, dumps["stock_ckpt"], STEPS, *plugin))
+        keep("stock_ckpt", train_titan(assets, dumps["stock_ckpt"], STEPS, *plugin))
 
-    together(lambda: train_llama(assets, dumps["full"], STEPS, *plugin), stopped_and_resumed, stock)
+    together(lambda: train_titan(assets, dumps["full"], STEPS, *plugin), stopped_and_resumed, stock)
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -260,7 +261,7 @@ def unseeded_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dic
     """Two plug-in runs of one step without ``--debug.seed`` (2 processes): torchtitan seeds each at random."""
     root = tmp_path_factory.mktemp("torchtitan_unseeded")
     dumps = {name: root / name for name in ("first", "second")}
-    together(*(lambda dump=dump: train_llama(assets, dump, 1, "--override.imports", PLUGIN, seed=None)
+    together(*(lambda dump=dump: train_titan(assets, dump, 1, "--override.imports", PLUGIN, seed=None)
                for dump in dumps.values()))
     return dumps
 
@@ -281,8 +282,8 @@ def test_an_unseeded_run_is_named_and_cannot_be_compared(unseeded_runs: dict[str
 def test_a_bad_option_is_one_line_from_rank_0_and_exit_2(assets: Path, tmp_path: Path) -> None:
     # A string where the option takes a list (it used to be read letter by letter, as the signal 'S').
     bad = PLUGIN + '={"signals": "SIGTERM"}'
-    proc = launch(llama_command(assets, tmp_path / "bad", 1, "--override.imports", bad), env=titan_env(assets / "hf_home"),
-                  timeout=400, processes=2, preload=PRELOAD)
+    proc = launch(titan_command(assets, tmp_path / "bad", 1, "--override.imports", bad),
+                  env=titan_env(assets / "hf_home"), timeout=400, processes=2, preload=PRELOAD)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     lines = [line for line in out.splitlines() if "torchtitan_rng:" in line]
@@ -320,17 +321,17 @@ def parallel_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dic
         # last step of --training.steps is always synchronous).
         extra = (*LAYOUTS[layout], "--checkpoint.async_mode", "async")
         outputs[layout] = signalled_run(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra).stdout
-        train_llama(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)
+        train_titan(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)
 
     def full_and_resumed(layout: str) -> None:
         extra, full = LAYOUTS[layout], dumps[f"{layout}_full"]
-        train_llama(assets, full, STEPS, *plugin_flags(assets), *extra)
+        train_titan(assets, full, STEPS, *plugin_flags(assets), *extra)
         resumes = ("stock",) if layout == SIGNALLED else ("stock", "stopped")
         for run in resumes:
             copy_checkpoint(full, dumps[f"{layout}_{run}"], STOP)
-        together(lambda: train_llama(assets, dumps[f"{layout}_stock"], STEPS, *extra),
+        together(lambda: train_titan(assets, dumps[f"{layout}_stock"], STEPS, *extra),
                  *([] if layout == SIGNALLED else
-                   [lambda: train_llama(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)]))
+                   [lambda: train_titan(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)]))
 
     together(lambda: signalled(SIGNALLED), *(lambda layout=layout: full_and_resumed(layout) for layout in LAYOUTS))
     (root / "outputs.json").write_text(json.dumps(outputs))
@@ -400,7 +401,7 @@ def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str,
         assert all(same_bits(logged[step]["loss"], board[step]) and board[step] > 0 for step in board), layout
 
 
-# Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by torchtitan_cpu.tiny_flux),
+# Flux: torchtitan 0.3's own Flux trainer (FluxTrainer, flux_debugmodel shrunk by the example's tiny_flux),
 # offline: a local byte-level tokenizer for T5 and CLIP, randomly initialised tiny encoders, a WebDataset tar.
 # Its randomness is torchtitan's: the noise and timesteps of every step, the random crop and the caption
 # dropout drawn while the main process iterates the dataset (no loader workers), and the validator's sampling.
@@ -409,19 +410,19 @@ FLUX_STEPS, FLUX_STOP = STEPS, STOP
 
 def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", "tiny_flux",
+            str(EXAMPLE / "train.py"), "--module", "tiny_configs", "--config", "tiny_flux",
             "--hf_assets_path", str(assets["tokenizer"]), "--tokenizer.t5_tokenizer_path", str(assets["tokenizer"]),
             "--tokenizer.clip_tokenizer_path", str(assets["tokenizer"]),
-            "--encoder.t5_encoder", str(assets["t5"]), "--encoder.clip_encoder", str(assets["clip"]),
+            "--encoder.t5_encoder", str(assets["t5_encoder"]), "--encoder.clip_encoder", str(assets["clip_encoder"]),
             "--dataloader.dataset", "cc12m-test", "--dataloader.dataset_path", str(assets["images"]),
-            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor", "--debug.seed", "7",
+            "--dump_folder", str(dump), "--debug.seed", "7",
             "--checkpoint.enable", "--checkpoint.interval", str(FLUX_STOP), "--metrics.log_freq", "1",
             "--training.steps", str(steps), *extra]
 
 
 def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> str:
-    proc = launch(_flux_command(assets, dump, steps, *extra, nproc=nproc), env=titan_env(assets["hf_home"]), timeout=400,
-                  processes=nproc, preload=PRELOAD)
+    proc = launch(_flux_command(assets, dump, steps, *extra, nproc=nproc), env=titan_env(assets["hf_home"]),
+                  timeout=400, processes=nproc, preload=PRELOAD)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
@@ -440,10 +441,8 @@ def flux_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[st
     process's own; the random crop and caption dropout are drawn in the worker): the plug-in uninterrupted, its
     checkpoint at 2 resumed to 4, and the control, the same checkpoint resumed with ``worker_streams`` off (the
     worker restarts its streams from the loader's seed)."""
-    from tests.support.integrations import torchtitan_cpu
-
     root = tmp_path_factory.mktemp("flux")
-    flux = {**torchtitan_cpu.write_flux_assets(assets / "flux"), "hf_home": assets / "hf_home"}
+    flux = {name: assets / name for name in ("tokenizer", "t5_encoder", "clip_encoder", "images", "hf_home")}
     names = ("full", "stopped", "stock", "workers_full", "workers_stopped", "workers_off")
     dumps = {name: root / name for name in names}
     plugin = ("--override.imports", PLUGIN, "--validator.enable", "--validator.freq", str(FLUX_STOP),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import atexit
 import gc
 import importlib
 import io
@@ -249,6 +250,9 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
         import faulthandler
         faulthandler.enable()
     sys.executable = relay
+    # The heap the server froze is collected at shutdown as a new process's would be (registered first, so it
+    # runs after the run's own exit handlers): otherwise triton 3.9's bindings report its objects as leaks.
+    atexit.register(gc.unfreeze)
     # Python runs the module or script as __main__ itself, which lives until the interpreter shuts down.
     main = sys.modules["__main__"] = types.ModuleType("__main__")
     if script:

@@ -11,6 +11,9 @@ from tests.support.launch import REPO
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _CITED_PATH = re.compile(r"`((?:torchtitan_rng|tests|bench|examples|train_configs|scripts|docs)/[\w./-]+)`")
+# An extra installed from the clone without -e: a copy of the package that later edits of the clone do not reach
+# (run_train.sh and run_tests.sh install it editable).
+_COPY_INSTALL = re.compile(r"pip install (?!-e )[\"']?\.\[")
 _INTERNAL = re.compile(r"\b(issue|work item|ticket) #?\d+|DEVELOPERS\.md|/work/", re.IGNORECASE)
 
 
@@ -67,6 +70,15 @@ def test_nothing_refers_to_internal_documents() -> None:
     # Control: the pattern catches such references (built here so that a grep of the repository stays clean).
     assert _INTERNAL.search("as measured for {} {}".format("issue", 7))
     assert _INTERNAL.search("see {}.md".format("DEVELOPERS"))
+
+
+def test_extras_from_the_clone_install_editable() -> None:
+    found = {page.name: _COPY_INSTALL.findall(page.read_text()) for page in PAGES}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+    # Control: the pattern catches a copy install of an extra, and lets the editable one and a registry name by.
+    assert _COPY_INSTALL.search('pip install ".[plot]"') and _COPY_INSTALL.search("pip install '.[hf]'")
+    assert not _COPY_INSTALL.search('pip install -e ".[plot]"')
+    assert not _COPY_INSTALL.search("pip install 'torchtitan_rng[s3]'")
 
 
 def test_readme_is_a_front_door() -> None:

@@ -1,5 +1,6 @@
-"""Test support: launching torchtitan 0.3 with and without the plug-in (torchrun on the CPU, the adjustments of
-``torchtitan_cpu``) and reading what the runs leave, for the plug-in's end-to-end test modules.
+"""Test support: launching torchtitan 0.3 with and without the plug-in (torchrun on the CPU: the documented example
+examples/torchtitan_cpu, its CPU adjustments and tiny configs) and reading what the runs leave, for the plug-in's
+end-to-end test modules.
 
 Stock runs have no plug-in to write the loss log, so their TensorBoard events are converted into one
 (:func:`stock_loss_log`); losses are compared in the test's process (``compare_records``, what
@@ -22,34 +23,35 @@ from tests.support.launch import REPO, launch, run_env
 from torchtitan_rng.compare_losses import Comparison, compare_records
 from torchtitan_rng.loss_log import read_loss_log
 
-SUPPORT = REPO / "tests" / "support" / "integrations"
-# The runs' warm server imports torchtitan_run.py's module (the CPU adjustments, then torchtitan) and torchtitan's
-# Flux trainer once, not each rank of each run (tests/support/launch.py). One server per test module: every run
-# of a module has the same start-up environment (one HF_HOME).
-PRELOAD = (str(SUPPORT / "torchtitan_run.py"), "torchtitan.models.flux.trainer")
+EXAMPLE = REPO / "examples" / "torchtitan_cpu"
+# The runs' warm server imports the example's train.py as a module (the CPU adjustments, then torchtitan) and
+# torchtitan's Flux trainer once, not each rank of each run (tests/support/launch.py). One server per test
+# module: every run of a module has the same start-up environment (one HF_HOME).
+PRELOAD = (str(EXAMPLE / "train.py"), "torchtitan.models.flux.trainer")
 PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the llama runs read (``tokenizer/``, ``text/``) and the Hugging Face cache of every run of the module
-    (``hf_home/``: one start-up environment, one warm server); Flux's (``flux/``) are written by its fixture."""
-    from tests.support.integrations import torchtitan_cpu
-
+    """What the runs read, written by the example's write_assets.py (``tokenizer/``, ``text/``, and Flux's
+    ``t5_encoder/``, ``clip_encoder/``, ``images/``), and the Hugging Face cache of every run of the module
+    (``hf_home/``: one start-up environment, one warm server)."""
     root = tmp_path_factory.mktemp("torchtitan_assets")
-    torchtitan_cpu.write_assets(root)
+    proc = launch([sys.executable, str(EXAMPLE / "write_assets.py"), str(root)], env=titan_env(root / "hf_home"),
+                  preload=PRELOAD)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return root
 
 
-def llama_command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2, seed: int | None = 7,
+def titan_command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2, seed: int | None = 7,
                   config: str = "tiny_llama") -> list[str]:
-    """torchrun of ``config`` (a function of ``torchtitan_cpu``), saving every 2 steps, logging every step."""
+    """torchrun of ``config`` (a function of the example's tiny_configs.py), saving every 2 steps, logging every
+    step."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(SUPPORT / "torchtitan_run.py"), "--module", "torchtitan_cpu", "--config", config,
+            str(EXAMPLE / "train.py"), "--module", "tiny_configs", "--config", config,
             "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
-            # partial_dtensor: a CPU adjustment (see torchtitan_cpu.py).
-            "--dump_folder", str(dump), "--parallelism.spmd_backend", "partial_dtensor",
-            "--lr_scheduler.decay_ratio", "0", *(("--debug.seed", str(seed)) if seed is not None else ()),
+            "--dump_folder", str(dump), "--lr_scheduler.decay_ratio", "0",
+            *(("--debug.seed", str(seed)) if seed is not None else ()),
             "--checkpoint.enable", "--checkpoint.interval", "2", "--metrics.enable_tensorboard",
             "--metrics.log_freq", "1", "--training.steps", str(steps), *extra]
 
@@ -64,7 +66,7 @@ def plugin_flags(assets: Path, **options: object) -> tuple[str, ...]:
 
 
 def titan_env(hf_home: Path) -> dict[str, str]:
-    # torchtitan_run.py's folder is first on the ranks' sys.path: --module torchtitan_cpu is found there.
+    # train.py's folder is first on the ranks' sys.path: --module tiny_configs is found there.
     return run_env({"HF_HOME": str(hf_home), "HF_DATASETS_OFFLINE": "1"})
 
 
@@ -78,12 +80,12 @@ def first_difference(result: Comparison) -> int | None:
     return result.first_step if result.loss_differs else None
 
 
-def train_llama(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2, seed: int | None = 7,
+def train_titan(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2, seed: int | None = 7,
                 config: str = "tiny_llama", timeout: float = 400) -> subprocess.CompletedProcess:
     """One run to ``steps`` into ``dump`` (its output in ``{dump}.out``), which must exit 0; a stock run's
     TensorBoard losses become its loss log."""
     # An unseeded run starts new interpreters: forked from the warm server, every run would start with its seed.
-    proc = launch(llama_command(assets, dump, steps, *extra, nproc=nproc, seed=seed, config=config),
+    proc = launch(titan_command(assets, dump, steps, *extra, nproc=nproc, seed=seed, config=config),
                   env=titan_env(assets / "hf_home"), timeout=timeout, processes=nproc, preload=PRELOAD,
                   warm=seed is not None)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
@@ -141,7 +143,7 @@ def signalled_run(assets: Path, dump: Path, steps: int, *extra: str, nproc: int 
     as training starts; it must exit 0."""
     out = dump.parent / f"{dump.name}.out"
     with out.open("w") as sink:
-        proc = subprocess.Popen(llama_command(assets, dump, steps, *extra, nproc=nproc), cwd=REPO,
+        proc = subprocess.Popen(titan_command(assets, dump, steps, *extra, nproc=nproc), cwd=REPO,
                                 stdout=sink, stderr=subprocess.STDOUT, text=True, env=titan_env(assets / "hf_home"))
         try:
             while "Training starts at step 1" not in out.read_text():
