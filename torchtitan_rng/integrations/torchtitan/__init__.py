@@ -54,7 +54,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config.override import derive, override
 from torchtitan.tools.logging import logger
 
-from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.distributed import barrier, rank_and_world_size
 from torchtitan_rng.errors import EXIT_CODE, ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.torchtitan.drift import DEGREE_KEYS, QUIET_KEYS, config_drift, config_values
@@ -92,5 +92,6 @@ def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResum
     except ConfigError as err:
         if rank_and_world_size()[0] == 0:
             logger.error(f"torchtitan_rng: {err}")
+        barrier()  # torchrun ends every rank once one exits: none leaves before rank 0 has said why
         raise SystemExit(EXIT_CODE) from None
     return derive(config, ExactResumeCheckpointManager.Config, **options)
