@@ -22,9 +22,9 @@ TensorBoard events are converted into a loss log here:
   a full checkpoint at the agreed step and exits 0; 1F1B) and tensor parallel 2: resumed == uninterrupted; stock
   torchtitan resuming the same checkpoint differs; under tensor parallelism the ranks' mask streams are equal
   at every save, as the plug-in's check says;
-* without ``--debug.seed`` (torchtitan seeds at random) rank 0 names the run in one WARNING line, and two such
-  runs differ from step 1; a bad option (a string where a list of signals goes) is one line from rank 0 and
-  exit 2 on every rank, no rank's traceback;
+* (slow tier) without ``--debug.seed`` (torchtitan seeds at random) rank 0 names the run in one WARNING line,
+  and two such runs differ from step 1; a bad option (a string where a list of signals goes) is one line from
+  rank 0 and exit 2, no rank's traceback;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
@@ -267,6 +267,7 @@ def unseeded_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dic
     return dumps
 
 
+@pytest.mark.slow  # two launches as new interpreters (about 45 s of runs on 2 cores)
 def test_an_unseeded_run_is_named_and_cannot_be_compared(unseeded_runs: dict[str, Path]) -> None:
     from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
 
@@ -280,6 +281,7 @@ def test_an_unseeded_run_is_named_and_cannot_be_compared(unseeded_runs: dict[str
     assert first_difference(result) == 1, result.message
 
 
+@pytest.mark.slow  # the message and the exit are unit-tested (tests/unit/test_torchtitan_options.py)
 def test_a_bad_option_is_one_line_from_rank_0_and_exit_2(assets: Path, tmp_path: Path) -> None:
     # A string where the option takes a list (it used to be read letter by letter, as the signal 'S').
     bad = PLUGIN + '={"signals": "SIGTERM"}'
