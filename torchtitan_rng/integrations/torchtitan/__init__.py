@@ -85,7 +85,7 @@ provide_presplit_step()
 def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
     """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
     (``signals``, ``restore_streams_at``, ``worker_streams``) come from
-    ``--override.imports 'TARGET={"signals": [...]}'``. A bad one: one line from rank 0 and exit 2 on every rank
+    ``--override.imports 'TARGET={"signals": [...]}'``. A bad one: one line from rank 0, then exit 2 on every rank
     (torchtitan applies overrides on every rank, after starting the process group), no traceback."""
     try:
         check_options(options)
