@@ -1,8 +1,8 @@
 """Benchmark 14: what debug.tensor_fingerprint costs: host reads per step and step time, the option on vs off.
 
 Off, the trainer builds no recorder: the reads per step must be those of benchmark 9. On, each step hashes
-its batches, gradients, parameters and optimizer state on the device (one reduction per tensor) and reads
-them at the loss log's sync points only: one more read per device per sync point. Step time: the real trainer,
+its batches, losses, gradients, parameters and optimizer state on the device (one reduction per tensor) and
+reads them at the loss log's sync points only: one more read per device per sync point. Step time: the real trainer,
 runs alternating off/on (each round swapping which goes first), the median over rounds of each round's on/off
 ratio of median step times; the reads are counted as benchmark 9 counts them (a run of S and of 3S steps). On a
 shared machine the step times move more than the option costs, so the hashing a step adds is also timed alone

@@ -7,7 +7,7 @@
 # EXTRAS: what the caller needs beyond training (run_tests.sh: the test, plot, hf, lightning and torchtitan
 # extras); empty for run_train.sh, so a first training run installs only what training needs.
 # TORCHTITAN_RNG_TORCH: what that set-up asks pip for torch (default: torch==2.13.0, a CPU build here;
-# "torch>=2.11,<2.15" where nvidia-smi sees a GPU). It is split into words, so pip options may follow.
+# "torch>=2.11,<2.16" where nvidia-smi sees a GPU). It is split into words, so pip options may follow.
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -36,7 +36,7 @@ _set_up_venv() {
     || _fail "$base is Python $("$base" -c 'import platform; print(platform.python_version())'); this project needs 3.10 or newer (or set PYTHON=...)"
   torch_req=${TORCHTITAN_RNG_TORCH:-}
   if [ -z "$torch_req" ]; then
-    if nvidia-smi -L 2>/dev/null | grep -q GPU; then torch_req="torch>=2.11,<2.15"; else torch_req="torch==2.13.0"; fi
+    if nvidia-smi -L 2>/dev/null | grep -q GPU; then torch_req="torch>=2.11,<2.16"; else torch_req="torch==2.13.0"; fi
   fi
   echo "$(basename "$0"): no Python here has torch and torchdata; setting up $venv ($torch_req, then this project$(_extras_words)) once, log in $venv/setup.log"
   local out

@@ -73,7 +73,7 @@ def build_components(config: JobConfig, world: World) -> Components:
     dataloader = build_dataloader(config, world, plan, dataset)
     rule = parse_spike_guard(config.training.spike_guard)
     return Components(spec, plan, model, param_count, params, loss_fn, optimizer, lr_scheduler, dataset, dataloader,
-                      TrainState(world.device, world.rank, world.world_size),
+                      TrainState(world.device, world.rank, world.world_size, plan.tensor_group),
                       SpikeGuard(rule, world.device) if rule is not None else None)
 
 

@@ -8,24 +8,60 @@ differing step otherwise; 2 when a log cannot be read.
 
 When both runs logged with --debug.rng_fingerprint, the first differing step comes with a diagnosis: which
 random stream differed first, on which rank (see divergence.py); when both ran with --debug.tensor_fingerprint,
-which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). ``--plot
-out.png`` draws both curves and their difference (needs matplotlib).
+which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). Where the
+runs are torchtitan's (the plug-in), whose runs record no fingerprints, it says what tells there instead.
+``--plot out.png`` draws both curves and their difference (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.diagnosis.locator import tensor_report
+from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, first_stream_divergence
+from torchtitan_rng.diagnosis.locator import Draws, TensorPrints
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
 from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.loss_log import read_loss_log
+
+
+# What tells where torchtitan trained a run (the plug-in has no fingerprint option; these are what it has).
+TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in has no fingerprint option): set the same "
+                     "--debug.seed in both (torchtitan seeds at random without it), read the plug-in's "
+                     "`torchtitan_rng:` WARNING lines of a resume (a changed config key, another process count or "
+                     "layout, a checkpoint without streams), and rerun both with --debug.deterministic to rule out "
+                     "non-deterministic kernels")
+
+
+OUTSIDE_ADVICE = ("ExactResume and the HF Trainer and Lightning integrations record none (--debug.rng_fingerprint "
+                  "is the trainer's option); their tensor fingerprints say what differs")
+
+
+def _advice(run_a: Path, run_b: Path, prints: TensorPrints) -> str:
+    """What to run for stream fingerprints, as far as the runs tell which trainer wrote them."""
+    if _torchtitan_run(run_a) or _torchtitan_run(run_b):
+        return TORCHTITAN_ADVICE
+    return OUTSIDE_ADVICE if prints.outside_the_trainer() else ADVICE
+
+
+def _torchtitan_run(run: Path) -> bool:
+    """Whether torchtitan trained ``run``: the plug-in's run record (in each checkpoint of torchtitan's default
+    folder) spells the config as torchtitan does (``dump_folder``), this project's trainer ``job.dump_folder``."""
+    folder = run if run.is_dir() else run.parent
+    for path in sorted(folder.glob("checkpoint/step-*/run.json")):
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8")).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        return isinstance(config, dict) and "dump_folder" in config and "job.dump_folder" not in config
+    return False
 
 
 def same_bits(a: float, b: float) -> bool:
@@ -88,15 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None:
             pyplot()  # fail on a missing matplotlib before comparing anything
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
+        prints = TensorPrints(args.run_a, args.run_b)
     except TorchtitanRngError as err:
         return report(err)
     result = compare_records(records_a, records_b, args.only_common_steps)
     print(result.message)
+    divergence = None
     if result.loss_differs:
-        print("\n".join(diagnose(records_a, records_b, result.first_step)))
+        print("\n".join(diagnose(records_a, records_b, result.first_step, prints.launches(result.first_step),
+                                 _advice(args.run_a, args.run_b, prints))))
+        divergence = first_stream_divergence(records_a, records_b, up_to=result.first_step)
     elif result.equal and (divergence := first_stream_divergence(records_a, records_b)) is not None:
-        print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b)))
-    for line in tensor_report(args.run_a, args.run_b, result.first_step if result.loss_differs else None):
+        print("note: the losses are equal, but " + "\n".join(describe(divergence, records_a, records_b,
+                                                                        prints.launches(divergence.step))))
+    draws = Draws(divergence.step, divergence.drawing()) if divergence is not None else None
+    for line in prints.lines_for(result.first_step if result.loss_differs else None, draws):
         print(line)
     if args.plot is not None:
         plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)

@@ -195,8 +195,12 @@ class Metrics:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = _key(-1, "processes that shard each stage of the model (FSDP2), as in "
-                                           "torchtitan: data_parallel_shard_degree x pipeline_parallel_degree = the "
-                                           "process count; -1: what the pipeline degree leaves (processes / pp)")
+                                           "torchtitan: data_parallel_shard_degree x tensor_parallel_degree x "
+                                           "pipeline_parallel_degree = the process count; -1: what the other degrees "
+                                           "leave (processes / (tp x pp))")
+    tensor_parallel_degree: int = _key(1, "processes that split each layer's weights (tensor parallelism with "
+                                       "torch's DTensor styles, docs/tensor_parallel.md); they read the same "
+                                       "batches and hold the same random streams")
     world_size_invariant: bool = _key(False, "the same bits at any process count that divides the micro-batches per "
                                       "step: micro-batches by global position, random streams per micro-batch, "
                                       "gradients summed in slot order, sharded by FSDP2 (docs/world_size_invariant.md)")
@@ -224,9 +228,10 @@ class Debug:
     deterministic: bool = _key(False, "torch's deterministic algorithms (and a fixed cuBLAS workspace)")
     rng_fingerprint: bool = _key(False, "write a fingerprint of every random stream, per rank, into each "
                                  "loss-log line (docs/diagnosis.md)")
-    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, gradient, parameter and optimizer "
-                                    "state, per step and rank, into tensor_fingerprints/ in the dump folder; "
-                                    "compare_losses then names the first tensor that differs (docs/diagnosis.md)")
+    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, its loss, each gradient, parameter "
+                                    "and optimizer state, per step and rank, and the run's config, into "
+                                    "tensor_fingerprints/ in the dump folder; compare_losses then names the first "
+                                    "tensor that differs (docs/diagnosis.md)")
     fingerprint_modules_at_step: int = _key(0, "with debug.tensor_fingerprint: at this step also hash the inputs and "
                                             "outputs of every module (forward hooks, that step only); 0: none")
     perturb_rng: str = _key("", "fault injection STREAM:RANK:STEP: one extra draw from one stream of one rank "
@@ -267,6 +272,7 @@ _MINIMUMS: dict[str, float] = {
     "training.steps": 1,
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.tensor_parallel_degree": 1,
     "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,

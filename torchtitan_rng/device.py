@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -78,6 +79,19 @@ def get_device_rng_state(device: torch.device) -> torch.Tensor | None:
 def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
     assert device_module is not None, "no device generator on the CPU"
     device_module.set_rng_state(state, device)
+
+
+def prepare_dtensor_random(mesh: Any) -> None:
+    """DTensor's random ops on an accelerator mesh: its offset-based tracker, created now without the broadcast
+    of rank 0's generator state it does when it creates itself at the first random op (which would give every
+    data shard rank 0's stream). It keeps no state of its own: the device generator holds it. On the CPU DTensor
+    has no tracker; its random ops draw from each rank's own CPU generator."""
+    if device_module is None:
+        return
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None:
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
 
 
 def memory_allocated_bytes(device: torch.device) -> int:

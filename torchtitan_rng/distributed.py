@@ -54,20 +54,25 @@ def init_distributed(parallelism: Parallelism) -> World:
 
 def data_parallel_degree(parallelism: Parallelism, world_size: int) -> int:
     """The processes that shard each stage of the model (FSDP2), with torchtitan's meaning of the degrees: their
-    product is the process count, ``data_parallel_shard_degree x pipeline_parallel_degree = world``, and a
-    shard degree of -1 fills what the pipeline degree leaves (``world / pipeline_parallel_degree``)."""
-    pp, degree = parallelism.pipeline_parallel_degree, parallelism.data_parallel_shard_degree
+    product is the process count, ``data_parallel_shard_degree x tensor_parallel_degree x pipeline_parallel_degree
+    = world``, and a shard degree of -1 fills what the other two leave (``world / (tp x pp)``)."""
+    pp, tp, degree = (parallelism.pipeline_parallel_degree, parallelism.tensor_parallel_degree,
+                      parallelism.data_parallel_shard_degree)
     if pp < 1:
         raise ConfigError(f"config parallelism.pipeline_parallel_degree = {pp}; give 1 (no stages) or more")
+    if tp < 1:
+        raise ConfigError(f"config parallelism.tensor_parallel_degree = {tp}; give 1 (no split) or more")
+    others = " x ".join(name for name, value in (("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp))
+                        if value > 1) or "pipeline_parallel_degree"
     if degree == -1:
-        if world_size % pp:
-            raise ConfigError(f"config parallelism.pipeline_parallel_degree = {pp} does not divide the {world_size} "
-                              "processes started; start a multiple of it (pp x dp processes)")
-        return world_size // pp
-    if degree < 1 or degree * pp != world_size:
-        raise ConfigError(f"config parallelism.data_parallel_shard_degree = {degree} x pipeline_parallel_degree = "
-                          f"{pp} is {degree * pp} processes, but {world_size} were started; use -1 (the processes "
-                          f"the pipeline leaves) or start {max(degree, 1) * pp} (NGPU)")
+        if world_size % (pp * tp):
+            raise ConfigError(f"config parallelism.{others} = {pp * tp} does not divide the {world_size} processes "
+                              f"started; start a multiple of it ({'tp x ' if tp > 1 else ''}pp x dp processes)")
+        return world_size // (pp * tp)
+    if degree < 1 or degree * pp * tp != world_size:
+        raise ConfigError(f"config parallelism.data_parallel_shard_degree = {degree} x {others} = {pp * tp} is "
+                          f"{degree * pp * tp} processes, but {world_size} were started; use -1 (the processes the "
+                          f"other degrees leave) or start {max(degree, 1) * pp * tp} (NGPU)")
     return degree
 
 
@@ -98,13 +103,13 @@ def barrier() -> None:
         dist.barrier()
 
 
-def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """The mean of a scalar over all ranks (the logged loss)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def mean_over_ranks(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The mean of a scalar over the ranks of ``group`` (None: all ranks; the logged loss)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return value.detach().clone()
     total = value.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total / dist.get_world_size()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total / dist.get_world_size(group)
 
 
 def all_ranks_agree_any(flag: bool, device: torch.device) -> bool:

@@ -14,6 +14,11 @@ Three additions to an existing loop::
             if exact.should_stop(step):   # a stop signal (stop_signals=...): saved at this step on every rank
                 break
 
+With ``tensor_fingerprint=True`` one more call, after the step's backward and before gradient clipping and the
+optimizer step, hashes what the step consumed and computed (``exact.fingerprint(batch, loss)``); ``maybe_save``
+then hashes the update, and ``python -m torchtitan_rng.compare_losses A B`` names the first tensor that differs
+between two runs (docs/diagnosis.md).
+
 The pieces it bundles (TrainState, CheckpointManager, ResumableDataLoader) stay usable on their own.
 """
 
@@ -36,10 +41,13 @@ from torchtitan_rng.checkpoint.storage import Location
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.checkpoint.states import Stateful, checkpoint_parts
 from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.checkpoint.storage import is_url
 from torchtitan_rng.checkpoint.vetting import vet
+from torchtitan_rng.config import Debug
 from torchtitan_rng.data.dataloader import ResumableDataLoader, require_map_style, shutdown_workers
 from torchtitan_rng.data.sample_rng import SampleRandomDataset
 from torchtitan_rng.data.worker_rng import with_worker_rng
+from torchtitan_rng.diagnosis.tensor_fingerprints import TensorFingerprints, build_tensor_fingerprints
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.errors import CheckpointError, TorchtitanRngError
 from torchtitan_rng.parallel.numerics import CarriedNumerics
@@ -244,6 +252,13 @@ class ExactResume:
             ``checkpoint.signing_key_env``): each checkpoint's checksums are signed with it (HMAC-SHA256) and
             :meth:`load` refuses one whose signature does not match, naming the file. "" (default): unsigned.
             A named variable that is unset or empty raises :class:`CheckpointError` here.
+        tensor_fingerprint: hash, per step and rank, each batch, loss and gradient (:meth:`fingerprint`), each
+            parameter and optimizer state after the update (:meth:`maybe_save`) and what a resume loaded, into
+            ``dump_folder/tensor_fingerprints/``: ``compare_losses`` then names the first tensor that differs.
+        fingerprint_modules_at_step: with ``tensor_fingerprint``, at this step also hash every module call's
+            inputs and outputs (forward hooks, that step only); 0: none.
+        dump_folder: where the fingerprints go, beside your loss log (``compare_losses`` reads both from it);
+            default: the folder holding ``folder`` (a URL ``folder`` needs it given).
 
     Every checkpoint records what the loop was built with: parameter names and shapes, the optimizer's
     type and hyperparameters per param group, the loader's batch size, seed, shuffle, sample count and
@@ -260,9 +275,15 @@ class ExactResume:
                  extra: Mapping[str, Stateful] | None = None, interval: int, keep_latest_k: int = 0,
                  seed: int | None = None, device: torch.device | None = None,
                  config: Mapping[str, Any] | None = None, stop_signals: Sequence[str] = (),
-                 signing_key_env: str = "") -> None:
+                 signing_key_env: str = "", tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
+                 dump_folder: str | Path | None = None) -> None:
         if interval < 1:
             raise ValueError(f"interval = {interval}: it must be >= 1")
+        if fingerprint_modules_at_step < 0:
+            raise ValueError(f"fingerprint_modules_at_step = {fingerprint_modules_at_step}: it must be >= 0")
+        if tensor_fingerprint and dump_folder is None and is_url(str(folder)):
+            raise ValueError(f"tensor_fingerprint with folder {folder}: give dump_folder, a local folder for the "
+                             "fingerprints")
         # Before anything is built: a key named but not set must not mean unsigned saves.
         self.signing = integrity.signing_key(signing_key_env)
         if dataloader is not None and not isinstance(dataloader, ResumableDataLoader):
@@ -287,6 +308,11 @@ class ExactResume:
         self.record = run_record.make_record(_record_values(model, optimizer, dataloader, self.world_size, config),
                                              None)
         self.manager.run_record = self.record
+        self.prints: TensorFingerprints | None = build_tensor_fingerprints(
+            Debug(tensor_fingerprint=tensor_fingerprint, fingerprint_modules_at_step=fingerprint_modules_at_step),
+            model, optimizer, rank=self.rank, world_size=self.world_size,
+            dump_folder=Path(dump_folder) if dump_folder is not None else Path(folder).parent,
+            config=self.record["config"])
         self.loaded_from: Path | Location | None = None
         self._load_called = False
         self._step_at_load = 0
@@ -320,6 +346,9 @@ class ExactResume:
             if self._stop_vote is not None and not failed:
                 self._stop_vote.close()  # every rank has one vote in flight
             self.manager.close(abandon=failed)
+            if self.prints is not None:
+                self.prints.close()  # what is queued is written
+                self.prints = None
         finally:
             self._at_exit()  # the workers, once
 
@@ -387,11 +416,26 @@ class ExactResume:
                 "which load() reads; call load(), then iter(dataloader), then restore_rng()"
             )
         self._restored = True
+        if self.prints is not None:  # the state entering the first step: what load() put back
+            self.prints.step_begin(self.train_state.step + 1)
         if self.train_state.restore_rng():
             return True
         if self.seed is not None:
             seed_training_streams(self.seed, self.rank)
         return False
+
+    def fingerprint(self, batch: Any, loss: torch.Tensor | None = None) -> None:
+        """With ``tensor_fingerprint``: hash one micro-batch (a dict, tuple or list of tensors, or a tensor: one
+        hash per sample), its loss as this rank computed it (before any reduction), and the gradients. Call it
+        after each micro-batch's backward; the step's last call must come before gradient clipping and the
+        optimizer step (the gradients it hashes are the step's). Module calls (``fingerprint_modules_at_step``)
+        are hashed up to the step's first call. Without ``tensor_fingerprint`` it does nothing."""
+        if self.prints is None:
+            return
+        self.prints.batch(batch)
+        if loss is not None:
+            self.prints.loss(loss)
+        self.prints.gradients()
 
     def _apply_allowed_changes(self, checkpoint: Location) -> None:
         """The optimizer hyperparameters that ``allow_changes`` let differ: the values built with, not the
@@ -446,7 +490,12 @@ class ExactResume:
         folder when one was written.
         """
         self.train_state.step = step
-        return self.manager.save(step, last_step=last_step)
+        saved = self.manager.save(step, last_step=last_step)
+        if self.prints is not None and self.prints.record.get("step") == step:  # the update, after the step
+            self.prints.updated(flush=saved is not None or step >= last_step)
+            if step < last_step:
+                self.prints.step_begin(step + 1)
+        return saved
 
     def save(self, step: int) -> Path | Location:
         """Save now, as the checkpoint of finished step ``step`` (e.g. on a stop signal); a collective."""

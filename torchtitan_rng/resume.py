@@ -39,6 +39,7 @@ from torchtitan_rng.errors import CheckpointError, ConfigError
 from torchtitan_rng.models import get_train_spec
 from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.parallel.plan import ParallelPlan
+from torchtitan_rng.parallel.tensor import KEY as TENSOR_KEY, saved_data_ranks, saved_tensor_degree
 from torchtitan_rng.rng import seed_training_streams, stream_seed
 
 # Bytes hashed at each end of a dataset file: cheap on any size, and a changed file almost always differs in
@@ -206,7 +207,7 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     refuse_overwrite(config, train_state.step)
     for line in vetted.warnings:  # once the resume goes on: a note that it does must not precede a refusal
         log(line)
-    plan.position_data(sampler, train_state.step, vetted.info.saved_world_size, vetted.reseed)
+    plan.position_data(sampler, train_state.step, saved_data_ranks(vetted.info), vetted.reseed)
     if not plan.carries_streams:  # each step seeds its own streams
         return StreamPlan("fresh"), path
     # A missing train state (RNG) is the stream policy's to judge, below.
@@ -214,7 +215,18 @@ def resume(config: JobConfig, plan: ParallelPlan, checkpointer: CheckpointManage
     if others:
         log(f"WARNING: checkpoint {path} holds no {', '.join(others)}; those start fresh")
     no_rng = any(key == layout.TRAIN_STATE or key.startswith(layout.TRAIN_STATE + ".") for key in result.missing)
-    return plan_streams(config.checkpoint, train_state, path, vetted.reseed, no_rng, world.world_size, log), path
+    moved = _layout_change(vetted.info, world.world_size, config.parallelism.tensor_parallel_degree) \
+        if vetted.reseed else ""
+    return plan_streams(config.checkpoint, train_state, path, vetted.reseed, no_rng, moved, log), path
+
+
+def _layout_change(info: layout.CheckpointInfo, world_size: int, tensor_degree: int) -> str:
+    """How this run's layout differs from the one that saved ``info`` (process count, tensor-parallel degree)."""
+    saved_tp = saved_tensor_degree(info)
+    if saved_tp == tensor_degree:
+        return f"with {world_size} processes instead of the ones that saved it"
+    return (f"with {world_size} processes at {TENSOR_KEY} = {tensor_degree} instead of the "
+            f"{info.saved_world_size} at {saved_tp} that saved it")
 
 
 def refuse_overwrite(config: JobConfig, start: int) -> None:
@@ -227,15 +239,16 @@ def refuse_overwrite(config: JobConfig, start: int) -> None:
 
 
 def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Where, reseeded: bool, no_rng: bool,
-                 world_size: int, warn: Callable[[str], None]) -> StreamPlan:
-    """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints)."""
+                 moved: str, warn: Callable[[str], None]) -> StreamPlan:
+    """Apply the policies above to what was loaded; warnings go through ``warn`` (rank 0 prints). ``moved``: how
+    the layout changed, for a reseeded resume's warning."""
     if not ckpt.restore_rng or layout.TRAIN_STATE in ckpt.exclude_from_loading:
         return StreamPlan("fresh")
     step = train_state.step
     if reseeded:
-        warn(f"WARNING: resuming {path} with {world_size} processes instead of the ones that saved it: "
-             "model and optimizer are resharded, random streams and data order reseeded; this run is no longer "
-             "exact")
+        warn(f"WARNING: resuming {path} {moved}: model and optimizer are resharded; every rank's random streams "
+             "are reseeded from (seed, \"reseed\", step) and its data shard and stage (the ranks of a "
+             "tensor-parallel group alike), the data keeps its global position; this run is no longer exact")
         return StreamPlan("reseed", step)
     if no_rng:
         if ckpt.strict_rng:
@@ -262,7 +275,8 @@ def plan_streams(ckpt: Checkpoint, train_state: TrainState, path: Where, reseede
 
 
 def start_streams(plan: StreamPlan, train_state: TrainState, seed: int, rank: int) -> None:
-    """Set the global streams; call it last before the first step (after every start-up draw)."""
+    """Set the global streams; call it last before the first step (after every start-up draw). ``rank``: what
+    seeds this rank's fresh or reseeded streams (the plan's ``stream_rank``)."""
     if plan.mode == "restore":
         train_state.restore_rng()
         return

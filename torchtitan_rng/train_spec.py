@@ -44,6 +44,20 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class TensorParallelSplit:
+    """How a model's layers split over the ranks of a tensor-parallel group
+    (``parallelism.tensor_parallel_degree``), with torch's own styles (``parallelize_module``, DTensor)."""
+
+    # (config, degree): why ``degree`` ranks cannot split this config's model, in one line; None: they can.
+    # Called before any process starts (no model is built).
+    check: Callable[[JobConfig, int], str | None]
+    # (model or one pipeline stage's part of it, the tensor-parallel mesh): split it in place, before FSDP2. Every
+    # parameter it leaves must be a DTensor on the mesh (replicated where not split), so that FSDP2 and the
+    # gradient norm see one mesh.
+    apply: Callable[[nn.Module, Any], None]
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     """What ``model.name = NAME`` trains: model, dataset, loss and sharding, registered under ``name``."""
 
@@ -68,6 +82,10 @@ class TrainSpec:
     block_lists: Callable[[nn.Module], list[nn.ModuleList]] | None = None
     # How the model splits into pipeline stages; None: it does not (pipeline parallelism is then refused).
     pipeline: PipelineSplit | None = None
+    # How its layers split over tensor-parallel ranks; None: they do not (tensor parallelism is then refused, with
+    # ``tensor_parallel_refusal`` as the reason when given).
+    tensor_parallel: TensorParallelSplit | None = None
+    tensor_parallel_refusal: str = ""
 
 
 _specs: dict[str, TrainSpec] = {}

@@ -115,7 +115,8 @@ class Trainer:
         hyperparameters_from_config(parts.optimizer, config.optimizer)
         # After the resume: a run refused there leaves no fingerprint file behind.
         self.tensor_prints = build_tensor_fingerprints(config.debug, parts.model, parts.optimizer, rank=world.rank,
-                                                       world_size=world.world_size, dump_folder=self.dump_folder)
+                                                       world_size=world.world_size, dump_folder=self.dump_folder,
+                                                       config=self.checkpointer.run_record["config"])
         if self.tensor_prints is not None:
             self._closing.callback(self.tensor_prints.close)
 
@@ -171,7 +172,7 @@ class Trainer:
             batches = self.tensor_prints.batches(batches)
         # The global streams, last thing before the first step: after model build, the loader's iterator and
         # everything else that runs once at start-up, so that none of it shifts them.
-        resume.start_streams(self.stream_plan, train_state, config.debug.seed, world.rank)
+        resume.start_streams(self.stream_plan, train_state, config.debug.seed, self.plan.stream_rank)
 
         loss_log = LossLogWriter(loss_log_path(self.dump_folder)) if world.rank == 0 else None
         if loss_log is not None:
@@ -234,6 +235,7 @@ class Trainer:
         loss_fn = self.faults.loss_fn(parts.loss_fn, step) if self.faults is not None else parts.loss_fn
         if self.tensor_prints is not None:
             self.tensor_prints.step_begin(step)
+            loss_fn = self.tensor_prints.losses(loss_fn)
         loss = self.plan.forward_backward(parts.model, parts.params, batches, loss_fn, step)
         if self.tensor_prints is not None:
             self.tensor_prints.gradients()

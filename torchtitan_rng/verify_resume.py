@@ -23,7 +23,7 @@ from pathlib import Path
 from torchtitan_rng.compare_losses import compare_records
 from torchtitan_rng.config import ConfigError, lr_total_steps, parse_args
 from torchtitan_rng.diagnosis.divergence import describe, diagnose, first_stream_divergence
-from torchtitan_rng.diagnosis.locator import locate_runs
+from torchtitan_rng.diagnosis.locator import Draws, TensorPrints
 from torchtitan_rng.launch.runs import run_training
 from torchtitan_rng import errors
 from torchtitan_rng.errors import TorchtitanRngError
@@ -141,17 +141,20 @@ def verify(request: Request, work: Path) -> tuple[bool, list[str]]:
         return False, [f"run B did not resume from step {request.stop_at}: its log has {lines_b} lines for "
                        f"{request.steps} steps (does the config exclude train_state from loading?)"]
     result = compare_records(a, b)
+    prints = TensorPrints(run_a, run_b)
     if not result.equal:
         if not result.loss_differs:
             return False, [result.message]
-        return False, [result.message, *diagnose(a, b, result.first_step),
-                       *locate_runs(run_a, run_b, result.first_step)[1]]
+        divergence = first_stream_divergence(a, b, up_to=result.first_step)
+        draws = Draws(divergence.step, divergence.drawing()) if divergence is not None else None
+        return False, [result.message, *diagnose(a, b, result.first_step, prints.launches(result.first_step)),
+                       *prints.report(result.first_step, draws)[1]]
     # Equal losses but a differing stream: a config that used that stream would not resume exactly.
     divergence = first_stream_divergence(a, b)
     if divergence is not None:
-        lines = describe(divergence, a, b)
+        lines = describe(divergence, a, b, prints.launches(divergence.step))
         return False, ["the losses are equal, but " + lines[0], *lines[1:]]
-    state, lines = locate_runs(run_a, run_b)
+    state, lines = prints.report()
     if state == "found":  # equal losses, but a parameter or the optimizer state is not what it was
         return False, ["the losses are equal, but " + lines[0], *lines[1:]]
     return True, [result.message + ", and every random stream and tensor fingerprint equal on every rank at every "

@@ -49,6 +49,32 @@ def test_bad_config_through_the_launcher(user_dump: Path) -> None:
     assert "rank" not in proc.stdout.lower() and snapshot(user_dump) == before
 
 
+LAYOUT_CASES = {
+    "degrees do not make the process count": (2, ("--parallelism.tensor_parallel_degree", "2",
+                                                  "--parallelism.data_parallel_shard_degree", "2"),
+                                              "data_parallel_shard_degree = 2 x tensor_parallel_degree = 2 is 4 "
+                                              "processes, but 2 were started"),
+    "tp does not divide the heads": (3, ("--parallelism.tensor_parallel_degree", "3"),
+                                     "llama flavor 'debug' has 4 attention heads (and key/value heads), which 3 "
+                                     "ranks do not split evenly"),
+    "tp does not divide the hidden size": (3, ("--parallelism.tensor_parallel_degree", "3", "--model.flavor",
+                                               "bench"), "llama flavor 'bench' has 2048 MLP hidden units, which 3 "
+                                                         "ranks do not split evenly"),
+    "flux does not split": (2, ("--parallelism.tensor_parallel_degree", "2", "--model.name", "flux"),
+                            "model 'flux' does not split over tensor-parallel ranks (its single-stream blocks"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_a_layout_that_cannot_run_is_refused_by_the_launcher(user_dump: Path, case: str) -> None:
+    """Tensor-parallel degrees: one line from the launcher, before torchrun starts any rank."""
+    nproc, overrides, fragment = LAYOUT_CASES[case]
+    before = snapshot(user_dump)
+    proc = train(user_dump, *overrides, nproc=nproc, check=False)
+    assert_refused(proc, fragment)
+    assert "rank" not in proc.stdout.lower() and snapshot(user_dump) == before
+
+
 def test_compare_losses_on_a_log_that_is_not_jsonl(tmp_path: Path, saved: Path) -> None:
     bad = tmp_path / "loss_log.jsonl"
     bad.write_text('{"step": 1, "loss": 2.5}\nnot json at all\n')

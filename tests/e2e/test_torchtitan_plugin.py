@@ -150,6 +150,9 @@ def test_compare_losses_plots_torchtitan_dump_folders(runs: dict[str, Path]) -> 
         plot = runs["full"].parent / f"full_vs_{control}.png"
         result = compare(runs["full"], runs[control], "--plot", str(plot))
         assert result.returncode == 1 and f"first differing step {STOP + 1}:" in result.stdout, result.stdout
+        # torchtitan has no --debug.rng_fingerprint: the diagnosis names what there is instead.
+        assert "no RNG fingerprints in A and B: torchtitan runs have none" in result.stdout, result.stdout
+        assert "--debug.rng_fingerprint" not in result.stdout, result.stdout
         assert plot.stat().st_size > 0, result.stdout + result.stderr
 
 

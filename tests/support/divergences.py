@@ -8,7 +8,11 @@ tests/support/launch.py run_env). Each builds the same weights as ``llama``; wha
 * ``llama_bad_load``: loading a checkpoint nudges one element of ``layers.1.ffn.up.weight`` by one ulp (a
   parameter perturbed at a resume; a run that loads nothing is ``llama`` itself);
 * ``llama_bad_optimizer``: before the update of step 4, one element of the AdamW ``exp_avg`` of
-  ``layers.0.attn.qkv.weight`` moves (optimizer-state corruption; the step's gradients are untouched).
+  ``layers.0.attn.qkv.weight`` moves (optimizer-state corruption; the step's gradients are untouched);
+* ``llama_transposed_load``: loading a checkpoint puts the square ``layers.0.attn.out.weight`` in transposed (a
+  converter's bug: the same elements in other places);
+* ``llama_no_dropout``: dropout switched off in the code (every ``nn.Dropout`` and the attention's ``dropout_p``
+  at 0), the config unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ LLAMA = get_train_spec(JobConfig())
 BAD_LOAD_PARAM = "layers.1.ffn.up.weight"
 BAD_OPTIMIZER_PARAM = "layers.0.attn.qkv.weight"
 BAD_OPTIMIZER_STEP = 4
+TRANSPOSED_PARAM = "layers.0.attn.out.weight"
 
 
 def _noisy_attention(model: nn.Module) -> None:
@@ -51,6 +56,24 @@ def _bad_load(model: nn.Module) -> None:
     model.register_load_state_dict_post_hook(nudge)
 
 
+def _transposed_load(model: nn.Module) -> None:
+    param = model.get_parameter(TRANSPOSED_PARAM)
+
+    def transpose(module: nn.Module, keys: Any) -> None:
+        with torch.no_grad():
+            param.copy_(param.t().clone())
+
+    model.register_load_state_dict_post_hook(transpose)
+
+
+def _no_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):  # the attention's dropout_p
+            module.dropout = 0.0
+
+
 def _bad_optimizer(model: nn.Module) -> None:
     param = model.get_parameter(BAD_OPTIMIZER_PARAM)
 
@@ -71,5 +94,6 @@ def _with(fault: Callable[[nn.Module], None]) -> Callable[[JobConfig], nn.Module
 
 
 for _name, _fault in (("llama_noisy_attention", _noisy_attention), ("llama_bad_load", _bad_load),
-                      ("llama_bad_optimizer", _bad_optimizer)):
+                      ("llama_bad_optimizer", _bad_optimizer), ("llama_transposed_load", _transposed_load),
+                      ("llama_no_dropout", _no_dropout)):
     register_train_spec(replace(LLAMA, name=_name, build_model=_with(_fault)))

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import copy
 import json
-import struct
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
-from torchtitan_rng.diagnosis.locator import locate, locate_runs, prints_path, read_prints
+from torchtitan_rng.diagnosis.locator import Draws, TensorPrints, locate, prints_path, read_prints
 from torchtitan_rng.diagnosis.tensor_fingerprints import (TensorFingerprints, build_tensor_fingerprints, row_hashes,
                                                            tensor_hash)
 from torchtitan_rng.loss_log import LossLogError
@@ -30,9 +34,15 @@ def _value(*key: object) -> int:
     return hash(key) % 2**63  # distinct per key; the same in both runs of a test
 
 
+CONFIG = {"debug.seed": 0, "training.max_norm": 1.0, "job.dump_folder": "A", "debug.tensor_fingerprint": True}
+
+
 def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modules_at: int = 2,
-              resumed_at: int | None = None) -> Lines:
-    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks."""
+              resumed_at: int | None = None, losses: bool = False, draws: bool = False,
+              config: dict[str, Any] | None = None) -> Lines:
+    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks. With
+    ``losses`` each rank's micro-batch losses, with ``draws`` each module call's draws (attention draws), with
+    ``config`` the config rank 0 records where a process starts."""
     lines: Lines = {}
     for step in range(1, steps + 1):
         lines[step] = {}
@@ -42,11 +52,17 @@ def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modul
                 line["entering"] = {"param": {name: _value("param", step - 1, name) for name in PARAMS},
                                     "optim": {f"{name}.exp_avg": _value("optim", step - 1, name) for name in PARAMS}
                                     if step > 1 else {}}
+                if config is not None and rank == 0:
+                    line["config"] = copy.deepcopy(config)
             line["batch"] = [{"input": [_value("input", step, rank, mb, row) for row in range(4)],
                               "labels": [_value("labels", step, rank, mb, row) for row in range(4)]}
                              for mb in range(micro_batches)]
+            if losses:
+                line["loss"] = [_value("loss", step, rank, mb) for mb in range(micro_batches)]
             if step == modules_at:
                 line["modules"] = [[name, [_value("in", step, rank, mb, name)], [_value("out", step, rank, mb, name)]]
+                                   + ([_value("rng", step, rank, mb) if name == "layers.0.attn" else None]
+                                      if draws else [])
                                    for mb in range(micro_batches) for name in ("embed", "layers.0.attn", "output")]
             line["grad"] = {name: _value("grad", step, name) for name in PARAMS}
             line["param"] = {name: _value("param", step, name) for name in PARAMS}
@@ -216,6 +232,176 @@ def test_another_process_count_compares_whole_steps(tmp_path: Path) -> None:
         "the data, not the model"]
 
 
+def _one_micro_batch(lines: Lines) -> Lines:
+    """``lines`` with each rank's micro-batches of a step taken as one (the same samples in the same order), as a
+    run with a larger training.local_batch_size splits the step: its module calls and losses are other ones."""
+    out = copy.deepcopy(lines)
+    for step, per_rank in out.items():
+        for rank, line in per_rank.items():
+            line["batch"] = [{key: [row for batch in line["batch"] for row in batch[key]] for key in line["batch"][0]}]
+            line.pop("modules", None)
+            line["loss"] = [_value("loss of one micro-batch", step, rank)]
+    return out
+
+
+def test_another_split_of_the_step_is_named_as_the_split(tmp_path: Path) -> None:
+    two = synthetic(world_size=1, losses=True)  # 2 x 4 samples a step
+    one = _one_micro_batch(two)  # 1 x 8: the same samples
+    # The control: the same samples, the same tensors: nothing named (not the batches, modules or losses either).
+    assert first_difference(tmp_path / "control", two, one) is None
+    one[1][0]["grad"]["embed.weight"] += 1
+    _later_too(one, 1)
+    assert first_difference(tmp_path, two, one) == [
+        "step 1, rank 0: gradient of `embed.weight` differs before clipping, the same samples, split as A 2 × 4 "
+        "against B 1 × 8 micro-batches × samples: another split of the step: its sums run in another order, and its "
+        "random draws fall per micro-batch otherwise"]
+    other = _one_micro_batch(two)
+    other[2][0]["batch"][0]["labels"][5] += 1
+    assert first_difference(tmp_path / "samples", two, other) == [
+        "step 2, rank 0: the samples of the step differ (as a set over its micro-batches, A 2 × 4 against B 1 × 8 "
+        "micro-batches × samples): the data, not the model"]
+
+
+def _attention_call(lines: Lines) -> list[Any]:
+    """Micro-batch 0's `layers.0.attn` call on rank 0 at step 2 (the module step), its output and the input of the
+    call after it changed, as its other output changes them."""
+    calls = lines[2][0]["modules"]
+    calls[1][2][0] += 1
+    calls[2][1][0] += 1
+    _later_too(lines, 2)
+    return calls[1]
+
+
+def test_a_module_whose_random_draws_differ_is_named_as_draws(tmp_path: Path) -> None:
+    a = synthetic(draws=True)
+    other_state = synthetic(draws=True)
+    _attention_call(other_state)[3] += 1  # it drew from another state of the streams
+    assert first_difference(tmp_path / "state", a, other_state) == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: the random "
+        "streams entering it differ (--debug.rng_fingerprint names which)"]
+    switched_off = synthetic(draws=True)
+    _attention_call(switched_off)[3] = None  # it drew nothing: dropout switched off in B
+    assert first_difference(tmp_path / "off", a, switched_off) == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: it drew random "
+        "numbers in A and none in B (dropout switched off in B?)"]
+    # The control: the same draws from the same state, and the output differs all the same: a kernel.
+    same_draws = synthetic(draws=True)
+    _attention_call(same_draws)
+    assert first_difference(tmp_path / "kernel", a, same_draws) == [CASES["kernel"][1]]
+
+
+def test_a_stream_named_by_the_stream_diagnosis_makes_the_draws_the_cause(tmp_path: Path) -> None:
+    a, b = synthetic(), synthetic()  # module calls without their draws recorded
+    _attention_call(b)
+    prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b, draws=Draws(2, {0: ["torch_cpu"]}))
+    assert found is not None and found.lines == [
+        "step 2, rank 0: `layers.0.attn` output differs, its input equal: its random draws differ: stream torch_cpu "
+        "on rank 0 differs entering step 2, as named above"]
+    # The control: a stream of another rank named: rank 0's difference stays a kernel.
+    found = locate(prints_a, prints_b, draws=Draws(2, {1: ["torch_cpu"]}))
+    assert found is not None and found.lines == [CASES["kernel"][1]]
+
+
+def _rank_1_draws_once_more(lines: Lines) -> None:
+    """Rank 1's forward of step 3 differs (an extra draw on rank 1); the gradients, reduced over the ranks, differ
+    on every rank."""
+    if "loss" in lines[3][1]:
+        lines[3][1]["loss"][0] += 1
+    for line in lines[3].values():
+        line["grad"]["embed.weight"] += 1
+    _later_too(lines, 3)
+
+
+def test_a_divergence_that_starts_on_rank_1_is_named_on_rank_1(tmp_path: Path) -> None:
+    a, b = synthetic(losses=True), _changed(_rank_1_draws_once_more, losses=True)
+    assert first_difference(tmp_path, a, b) == [
+        "step 3, rank 1: its loss of micro-batch 0 differs, the batches and the weights entering the step equal, the "
+        "losses of rank 0 equal: the forward pass on this rank, before any reduction over the ranks: its random draws "
+        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (--debug.fingerprint_modules_at_step "
+        "3 names the module)"]
+    # Without losses recorded, the stream diagnosis' rank leads among the ranks whose gradients differ.
+    a, b = synthetic(), _changed(_rank_1_draws_once_more)
+    prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b, draws=Draws(3, {1: ["torch_cpu"]}))
+    assert found is not None and found.lines == [
+        "step 3, rank 1: gradient of `embed.weight` differs before clipping, the batches and the weights entering "
+        "the step equal: its random draws differ: stream torch_cpu on rank 1 differs entering step 3, as named above"]
+    found = locate(prints_a, prints_b)  # the control: nothing says where it began: the first rank
+    assert found is not None and found.lines[0].startswith("step 3, rank 0: gradient of `embed.weight`")
+
+
+def _initial_weights_differ(lines: Lines) -> None:
+    for line in lines[1].values():
+        line["entering"]["param"]["embed.weight"] += 1
+    _later_too(lines, 1)
+
+
+def test_fresh_runs_are_named_by_their_config_difference(tmp_path: Path) -> None:
+    a = synthetic(config=CONFIG)
+    same = synthetic(config={**CONFIG, "job.dump_folder": "B"})  # a key that cannot change the losses
+    assert first_difference(tmp_path / "control", a, same) is None
+    seeded = _changed(_initial_weights_differ, config={**CONFIG, "debug.seed": 1, "job.dump_folder": "B"})
+    assert first_difference(tmp_path / "seed", a, seeded) == [
+        "step 1, rank 0: parameter `embed.weight` entering the step differs, before any batch (neither run resumed "
+        "here: the initial weights differ; the configs differ in debug.seed 0 vs 1)"]
+    unrecorded = _changed(_initial_weights_differ)
+    assert first_difference(tmp_path / "unrecorded", synthetic(), unrecorded) == [
+        "step 1, rank 0: parameter `embed.weight` entering the step differs, before any batch (neither run resumed "
+        "here: the initial weights differ: their seed (debug.seed), the model's initialization code, or a checkpoint "
+        "loaded as the initial weights)"]
+
+
+def test_a_key_changed_at_a_resume_is_named_from_the_two_records(tmp_path: Path) -> None:
+    a = synthetic(config=CONFIG)
+    b = synthetic(config=CONFIG, resumed_at=3)
+    assert first_difference(tmp_path / "control", a, b) is None
+    b[3][0]["config"]["training.max_norm"] = 0.5  # allowed by checkpoint.allow_config_change at the resume
+    for line in b[3].values():
+        line["param"]["embed.weight"] += 1  # other clipping: the same gradients, another update
+    _later_too(b, 4)
+    assert first_difference(tmp_path, a, b) == [
+        "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the update differs (the "
+        "optimizer: its state or its hyperparameters; the configs differ in training.max_norm 1.0 → 0.5 (B's resume "
+        "entering step 3))"]
+
+
+def _rng_log(folder: Path, losses: list[float], run: str, ranks: int = 2) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "loss_log.jsonl").write_text("".join(
+        json.dumps({"step": step, "loss": loss, "rng_fingerprint": [{"torch_cpu": f"{run}{step}{rank}"}
+                                                                    for rank in range(ranks)]}) + "\n"
+        for step, loss in enumerate(losses, start=1)))
+
+
+def test_compare_losses_names_fresh_runs_by_their_configs_not_a_restore(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    a = write(tmp_path / "a", synthetic(config=CONFIG))
+    b = write(tmp_path / "b", _changed(_initial_weights_differ, config={**CONFIG, "debug.seed": 1}))
+    _rng_log(a, [3.0, 2.5, 2.0, 1.5], "a")
+    _rng_log(b, [3.25, 2.5, 2.0, 1.5], "b")
+    assert compare_main([str(a), str(b)]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "random streams first differ entering step 1:",
+        "  stream torch_cpu on rank 0 (A a10, B b10)",
+        "  stream torch_cpu on rank 1 (A a11, B b11)",
+        "  hint: neither run had resumed entering step 1, so nothing was restored: they were seeded or launched "
+        "differently; their configs differ: debug.seed 0 vs 1",
+        "the first tensor that differs: step 1, rank 0: parameter `embed.weight` entering the step differs, before "
+        "any batch (neither run resumed here: the initial weights differ; the configs differ in debug.seed 0 vs 1)"]
+    # Without tensor fingerprints nothing records the configs: the hint names what to look at, and the process
+    # count, which the stream fingerprints themselves show.
+    plain_a, plain_b = tmp_path / "plain_a", tmp_path / "plain_b"
+    _rng_log(plain_a, [3.0, 2.5], "a")
+    _rng_log(plain_b, [3.25, 2.5], "b", ranks=1)
+    assert compare_main([str(plain_a), str(plain_b)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  hint: neither run had resumed entering step 1, so nothing was restored: they were seeded or launched "
+        "differently; their configs differ: the process count 2 vs 1")
+
+
 def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
     a = write(tmp_path / "a", synthetic(world_size=1))
     b = write(tmp_path / "b", synthetic(world_size=1))
@@ -233,8 +419,8 @@ def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
 def test_reports_for_runs_without_fingerprints(tmp_path: Path) -> None:
     with_prints = write(tmp_path / "a", synthetic())
     (tmp_path / "plain").mkdir()
-    assert locate_runs(tmp_path / "plain", tmp_path / "plain") == ("absent", [])
-    state, lines = locate_runs(with_prints, tmp_path / "plain")
+    assert TensorPrints(tmp_path / "plain", tmp_path / "plain").report() == ("absent", [])
+    state, lines = TensorPrints(with_prints, tmp_path / "plain").report()
     assert state == "absent" and lines[0].startswith("tensor fingerprints only in A: run both with "
                                                      "--debug.tensor_fingerprint")
     bad = prints_path(tmp_path / "bad", 0)
@@ -267,8 +453,14 @@ def test_compare_losses_names_the_tensor_and_keeps_its_exit_codes(tmp_path: Path
     assert capsys.readouterr().out.splitlines() == ["identical: 4 steps (1..4) with bitwise-equal losses"]
 
 
-def _bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
+def _weights(shape: tuple[int, ...]) -> list[int]:
+    """Each place's weight in a hash, measured: the hash of a tensor whose bits are 1 there and 0 elsewhere."""
+    weights = []
+    for index in range(math.prod(shape)):
+        one = torch.zeros(math.prod(shape), dtype=torch.int32)
+        one[index] = 1
+        weights.append(int(tensor_hash(one.view(torch.float32).reshape(shape))) % 2**32)
+    return weights
 
 
 def test_hashes_see_what_a_xor_misses() -> None:
@@ -276,13 +468,83 @@ def test_hashes_see_what_a_xor_misses() -> None:
     scaled = ones * 1.5
     # torch.hash_tensor XORs: an even count of equal elements cancels, before and after a uniform change.
     assert torch.hash_tensor(ones) == torch.hash_tensor(scaled) == 0
-    assert int(tensor_hash(ones)) % 2**32 == 8 * _bits(1.0) % 2**32 and tensor_hash(scaled) != tensor_hash(ones)
+    assert tensor_hash(scaled) != tensor_hash(ones)
+    # An exact weighted sum, modulo 2**32: each element's bits times its place's weight, every weight odd and
+    # every place's its own.
+    values = torch.randn(5, 4)
+    weights = _weights((5, 4))
+    assert all(weight % 2 == 1 for weight in weights) and len(set(weights)) == len(weights)
+    bits = values.view(torch.int32).flatten().tolist()
+    assert int(tensor_hash(values)) % 2**32 == sum(b * w for b, w in zip(bits, weights)) % 2**32
     nudged = ones.clone()
     nudged[3] = torch.nextafter(nudged[3], torch.tensor(2.0))
-    assert (int(tensor_hash(nudged)) - int(tensor_hash(ones))) % 2**32 == 1  # one ulp of one element
-    # Shards add up to the whole (a sharded tensor is hashed per rank), wrapping at 2**32.
-    whole = torch.randn(10, 3)
-    assert sum(int(tensor_hash(part)) for part in whole.chunk(3)) % 2**32 == int(tensor_hash(whole)) % 2**32
+    # One ulp of one element moves the hash by that place's (odd, so never vanishing) weight.
+    assert (int(tensor_hash(nudged)) - int(tensor_hash(ones))) % 2**32 == _weights((8,))[3]
+    assert int(tensor_hash(values.t())) == int(tensor_hash(values.t().contiguous()))  # places, not memory
+
+
+def test_hashes_see_a_permutation_inside_a_tensor() -> None:
+    square = torch.randn(6, 6)
+    moved = {
+        "transposed": square.t().contiguous(),
+        "rows permuted": square[torch.tensor([1, 0, 2, 3, 5, 4])],
+        "two elements of a row swapped": square[:, torch.tensor([1, 0, 2, 3, 4, 5])],
+        "bfloat16 transposed": square.bfloat16().t().contiguous(),
+    }
+    for name, tensor in moved.items():
+        original = square.bfloat16() if tensor.dtype == torch.bfloat16 else square
+        # The same elements (the plain sum of their bits cannot tell), in other places: the hash tells.
+        assert int(_plain_sum(tensor)) == int(_plain_sum(original)), name
+        assert int(tensor_hash(tensor)) != int(tensor_hash(original)), name
+    assert int(tensor_hash(square.clone())) == int(tensor_hash(square))  # the control: a copy hashes the same
+    # Tensors of more elements than the hash's period (one reduction of a view): the same.
+    large = torch.randn(300, 300)
+    embedding = torch.randn(70000, 4)
+    for tensor, moved_tensor in ((large, large.t().contiguous()), (embedding, embedding.roll(1, dims=0))):
+        assert int(_plain_sum(moved_tensor)) == int(_plain_sum(tensor))
+        assert int(tensor_hash(moved_tensor)) != int(tensor_hash(tensor))
+        assert int(tensor_hash(tensor.clone())) == int(tensor_hash(tensor))
+
+
+def _plain_sum(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32).sum(dtype=torch.int32)
+
+
+_SHARDS = 2
+
+
+# A small tensor, and one of more elements than the hash's period (its shards start inside a period).
+_SHAPES = ((5, 3), (40001, 5))
+
+
+def _whole(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def _hash_shards(rank: int, folder: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=rank, world_size=_SHARDS)
+    mesh = init_device_mesh("cpu", (_SHARDS,))
+    hashes = {}
+    for shape in _SHAPES:
+        whole = _whole(shape)
+        for dim in (0, 1):
+            hashes[f"{shape} Shard({dim})"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(dim)])))
+        # The control: the local shard hashed as a tensor of its own (its places counted from 0, not in the whole).
+        hashes[f"{shape} local"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(0)]).to_local()))
+    (folder / f"rank{rank}.json").write_text(json.dumps(hashes))
+    dist.destroy_process_group()
+
+
+def test_shards_hashes_add_up_to_the_whole_tensors(tmp_path: Path) -> None:
+    """FSDP2 shards a tensor unevenly over the ranks (5 rows: 3 and 2): each rank hashes its shard with the places
+    its elements hold in the whole, and the shards' hashes add up to the whole tensor's, along either dimension."""
+    mp.spawn(_hash_shards, args=(tmp_path,), nprocs=_SHARDS, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(_SHARDS)]
+    for shape in _SHAPES:
+        whole = int(tensor_hash(_whole(shape))) % 2**32
+        for placement in ("Shard(0)", "Shard(1)"):
+            assert sum(hashes[f"{shape} {placement}"] for hashes in ranks) % 2**32 == whole, (shape, placement)
+        assert sum(hashes[f"{shape} local"] for hashes in ranks) % 2**32 != whole, shape
 
 
 def test_row_hashes_are_per_sample_and_see_positions() -> None:
@@ -294,7 +556,7 @@ def test_row_hashes_are_per_sample_and_see_positions() -> None:
     swapped[2, [0, 1]] = swapped[2, [1, 0]]
     # Two tokens swapped: that sample's hash moves, and only it (a plain sum of the row would not see it).
     assert (row_hashes(swapped) != hashes).tolist() == [False, False, True, False]
-    assert int(tensor_hash(swapped)) == int(tensor_hash(tokens))
+    assert int(tensor_hash(swapped)) != int(tensor_hash(tokens))
     assert row_hashes(torch.randn(2, 3, dtype=torch.bfloat16)).shape == (2,)
 
 
@@ -308,12 +570,17 @@ class _Tiny(nn.Module):
         return self.out(self.embed(tokens))
 
 
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+
+
 def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
     torch.manual_seed(0)
     model = _Tiny()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = parse_args(["--job.dump_folder", str(dump), *flags])
-    prints = build_tensor_fingerprints(config.debug, model, optimizer, rank=0, world_size=1, dump_folder=dump)
+    prints = build_tensor_fingerprints(config.debug, model, optimizer, rank=0, world_size=1, dump_folder=dump,
+                                       config={"debug.seed": config.debug.seed})
     if prints is None:
         return None
     data = iter([{"input": torch.randint(0, 16, (2, 5)), "labels": torch.randint(0, 16, (2, 5))}
@@ -322,7 +589,7 @@ def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
     for step in range(1, steps + 1):
         prints.step_begin(step)
         batch = next(batches)
-        loss = nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        loss = prints.losses(_loss)(model, batch)
         loss.backward()
         prints.gradients()
         optimizer.step()
@@ -339,8 +606,12 @@ def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> No
     _train(tmp_path / "on", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
     lines = [json.loads(line) for line in prints_path(tmp_path / "on", 0).read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
-    assert set(lines[0]) == {"step", "world_size", "entering", "batch", "grad", "param", "optim"}
+    assert set(lines[0]) == {"step", "world_size", "entering", "config", "batch", "loss", "grad", "param", "optim"}
+    assert lines[0]["config"] == {"debug.seed": 0} and "config" not in lines[1]  # where the process started
+    assert all(len(line["loss"]) == 1 and isinstance(line["loss"][0], int) for line in lines)
+    # Each call: its name, input and output hashes, and null where it drew no random number.
     assert [call[0] for call in lines[1]["modules"]] == ["embed", "out"] and "modules" not in lines[2]
+    assert [call[3] for call in lines[1]["modules"]] == [None, None]
     assert set(lines[2]["optim"]) == {f"{name}.{key}" for name in ("embed.weight", "out.weight", "out.bias")
                                       for key in ("step", "exp_avg", "exp_avg_sq")}
     torch.manual_seed(0)
@@ -348,4 +619,65 @@ def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> No
     assert lines[0]["entering"]["param"]["embed.weight"] == int(tensor_hash(expected.embed.weight))
     # A second identical run: every fingerprint equal (the control); then the file's steps are comparable.
     _train(tmp_path / "again", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
-    assert locate_runs(tmp_path / "on", tmp_path / "again")[0] == "equal"
+    assert TensorPrints(tmp_path / "on", tmp_path / "again").report()[0] == "equal"
+
+
+class _Square(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.mix = nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mix(self.embed(tokens))))
+
+
+_DATA = torch.Generator().manual_seed(1)
+_BATCHES = [{key: torch.randint(0, 16, (2, 5), generator=_DATA) for key in ("input", "labels")} for _ in range(4)]
+
+
+def _steps(dump: Path, first: int, last: int, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Steps ``first..last`` of one process recording fingerprints (from ``state`` where given, as a resume
+    loads it); returns the state it leaves."""
+    torch.manual_seed(0)
+    model = _Square()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    prints = TensorFingerprints(parse_args(["--debug.tensor_fingerprint"]).debug, model, optimizer, rank=0,
+                                world_size=1, dump_folder=dump)
+    batches = prints.batches(iter(_BATCHES[first - 1:last]))
+    for step in range(first, last + 1):
+        prints.step_begin(step)
+        batch = next(batches)
+        loss = nn.functional.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        prints.gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        prints.updated(flush=step == last)
+    prints.close()
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def test_a_weight_loaded_transposed_or_with_rows_permuted_is_named_as_the_load(tmp_path: Path) -> None:
+    """A loader that puts a square weight in transposed, or a weight's rows in another order (a converter's bug):
+    the same elements, in other places. Named entering the resumed step, as what the resume loaded."""
+    _steps(tmp_path / "A", 1, 4)
+    stopped = _steps(tmp_path / "exact", 1, 2)
+    _steps(tmp_path / "exact", 3, 4, stopped)
+    assert TensorPrints(tmp_path / "A", tmp_path / "exact").report()[0] == "equal"  # the control: an exact resume
+    faults = {"mix.weight": lambda weight: weight.t().contiguous(),  # transposed
+              "out.weight": lambda weight: weight.roll(1, dims=0)}  # rows permuted
+    for name, fault in faults.items():
+        loaded = copy.deepcopy(stopped)
+        loaded["model"][name] = fault(loaded["model"][name])
+        assert int(_plain_sum(loaded["model"][name])) == int(_plain_sum(stopped["model"][name]))
+        _steps(tmp_path / name, 1, 2)
+        _steps(tmp_path / name, 3, 4, loaded)
+        assert TensorPrints(tmp_path / "A", tmp_path / name).report() == ("found", [
+            f"the first tensor that differs: step 3, rank 0: parameter `{name}` entering the step differs, before "
+            "any batch (B resumed here: what the resume loaded differs: the checkpoint or its loading, not this "
+            "step's training)"]), name

@@ -14,7 +14,7 @@ from torchtitan_rng.checkpoint.codec import decode_state, encode_state
 from torchtitan_rng.checkpoint.layout import rank_key
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.errors import CheckpointError
-from torchtitan_rng.rng import capture_global_rng, restore_global_rng
+from torchtitan_rng.rng import capture_global_rng, group_mask_streams, restore_global_rng
 
 STATE_FORMAT = 1
 
@@ -25,11 +25,14 @@ class TrainState:
     belongs right before the first resumed step, after everything that runs once at start-up.
 
     ``rank`` and ``world_size`` default to those of the initialised process group (0 and 1 without one),
-    so that no rank saves under another rank's key."""
+    so that no rank saves under another rank's key. ``tensor_group``: the ranks of this rank's tensor-parallel group
+    (None: none), whose mask streams must agree: compared at each save, a difference named in one WARNING line."""
 
-    def __init__(self, device: torch.device, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, device: torch.device, rank: int | None = None, world_size: int | None = None,
+                 tensor_group: Any = None) -> None:
         group_rank, group_world = rank_and_world_size()
         self.device = device
+        self.tensor_group = tensor_group
         self.rank = group_rank if rank is None else rank
         self.world_size = group_world if world_size is None else world_size
         self.step = 0
@@ -37,6 +40,10 @@ class TrainState:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        if self.tensor_group is not None:
+            ranks, line = group_mask_streams(self.step, self.tensor_group, self.device)
+            if line is not None and self.rank == ranks[0]:
+                print(f"WARNING: {line}", flush=True)
         rank_state = {
             "format": STATE_FORMAT,
             "world_size": self.world_size,

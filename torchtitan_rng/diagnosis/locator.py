@@ -2,12 +2,15 @@
 
 At each step both runs hold, in the order a step makes them: the state entering it where a process started
 there (a resume loads it), the batch of each micro-batch, the module calls (at ``debug.fingerprint_modules_at_step``),
-the gradients before clipping, then the parameters and the optimizer state after the update. The first of these
-that differs, rank by rank, is named in plain words with what it implies (the data, a kernel, the optimizer).
+each rank's micro-batch losses (before any reduction over ranks), the gradients before clipping, then the
+parameters and the optimizer state after the update. The first of these that differs, rank by rank, is named in
+plain words with what it implies (the data, random draws, a kernel, the optimizer), with the keys in which the
+two runs' configs differ where that is what the verdict turns on (each process records its config).
 
 Two runs over other process counts are compared as whole steps: the samples of a step as a set, each sharded
-tensor as the sum of its shards' hashes (see tensor_fingerprints.py); modules are then not compared. Reading
-imports no torch: compare_losses stays light.
+tensor as the sum of its shards' hashes (see tensor_fingerprints.py); modules and losses are then not compared.
+Two runs that split a step into other micro-batches compare the samples of each rank as a set, and neither
+modules nor losses. Reading imports no torch: compare_losses stays light.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from torchtitan_rng.checkpoint.run_record import is_quiet
+from torchtitan_rng.diagnosis.divergence import Launches
 from torchtitan_rng.loss_log import LossLogError
 
 FOLDER = "tensor_fingerprints"  # in the dump folder: one file per rank (written by tensor_fingerprints.py)
@@ -35,6 +40,16 @@ class RunPrints:
         """The lines of ``step``, one per rank of the process count that trained it (rank 0 says how many)."""
         lines = self.steps[step]
         return [lines[rank] for rank in range(lines[0]["world_size"]) if rank in lines]
+
+    def starts(self) -> list[int]:
+        """The steps where a process of this run started (its first line holds ``entering``)."""
+        return sorted(step for step, lines in self.steps.items() if "entering" in lines[0])
+
+    def config(self, step: int) -> tuple[int, dict[str, Any] | None]:
+        """(the step where the process that trained ``step`` started, the config it recorded; None if none)."""
+        start = max((start for start in self.starts() if start <= step), default=0)
+        config = self.steps[start][0].get("config") if start else None
+        return start, config if isinstance(config, dict) else None
 
     def entering(self, step: int, rank: int, kind: str) -> dict[str, int] | None:
         """``kind`` (param/optim) of ``rank`` as it entered ``step``: loaded there by a starting process, else left
@@ -85,6 +100,48 @@ class Finding:
     lines: list[str]
 
 
+@dataclass
+class Draws:
+    """What the random-stream diagnosis (divergence.py) found: the step entering which streams first differ,
+    and per rank the streams that differ there (the data position excluded: that is data, not draws)."""
+    step: int
+    ranks: dict[int, list[str]]
+
+
+def config_differences(a: RunPrints, b: RunPrints, step: int) -> list[str] | None:
+    """The config keys (those that can change the losses) and the process count in which the processes that trained
+    ``step`` differ, as recorded: ``debug.seed 0 vs 1``, or ``training.max_norm 1.0 → 0.5 (B's resume entering
+    step 4)`` where one run changed the key at a resume from the other run's value. None where a run recorded no
+    config and the process counts are equal (nothing known)."""
+    (start_a, config_a), (start_b, config_b) = a.config(step), b.config(step)
+    found = []
+    if a.steps.get(step) and b.steps.get(step):
+        sizes = (a.steps[step][0]["world_size"], b.steps[step][0]["world_size"])
+        if sizes[0] != sizes[1]:
+            found.append(f"the process count {sizes[0]} vs {sizes[1]}")
+    if config_a is None or config_b is None:
+        return found or None
+    for key in sorted(set(config_a) | set(config_b)):
+        value_a, value_b = config_a.get(key), config_b.get(key)
+        if is_quiet(key) or value_a == value_b:
+            continue
+        for label, run, start, value, other in (("B", b, start_b, value_b, value_a),
+                                                 ("A", a, start_a, value_a, value_b)):
+            earlier = run.config(start - 1)[1] if start > 1 else None
+            if earlier is not None and key in earlier and earlier[key] == other:
+                found.append(f"{key} {json.dumps(other)} → {json.dumps(value)} ({label}'s resume entering step "
+                             f"{start})")
+                break
+        else:
+            found.append(f"{key} {json.dumps(value_a)} vs {json.dumps(value_b)}")
+    return found
+
+
+def resumed_by(a: RunPrints, b: RunPrints, step: int) -> bool:
+    """Whether a process of either run started after step 1 and at or before ``step`` (a resume)."""
+    return any(1 < start <= step for run in (a, b) for start in run.starts())
+
+
 def _first_key(a: dict[str, int], b: dict[str, int]) -> str | None:
     """The first name (in A's order, then B's) whose hash differs or that only one side holds."""
     for name in [*a, *(name for name in b if name not in a)]:
@@ -108,19 +165,36 @@ def _whole(lines: list[dict[str, int] | None], sharded: set[str]) -> dict[str, i
 class _Step:
     """One step of both runs, checked in the order the step makes its tensors."""
 
-    def __init__(self, a: RunPrints, b: RunPrints, step: int) -> None:
+    def __init__(self, a: RunPrints, b: RunPrints, step: int, draws: Draws | None = None) -> None:
         self.a, self.b, self.step = a, b, step
         self.lines_a, self.lines_b = a.ranks(step), b.ranks(step)
         self.same_ranks = len(self.lines_a) == len(self.lines_b)
+        # Per rank, the micro-batches x samples each run split its step into.
+        self.splits = [(_split(line_a), _split(line_b)) for line_a, line_b in zip(self.lines_a, self.lines_b)]
+        self.same_split = self.same_ranks and all(split_a == split_b for split_a, split_b in self.splits)
+        self.draws = draws if draws is not None and draws.step <= step else None
 
     def _at(self, rank: int | None) -> str:
         return f"step {self.step}" + (f", rank {rank}" if rank is not None and self.same_ranks else "")
+
+    def _drawn(self, rank: int) -> str | None:
+        """The random streams of ``rank`` the stream diagnosis named, as a clause; None where it named none."""
+        if self.draws is None or rank not in self.draws.ranks:
+            return None
+        return (f"stream {', '.join(self.draws.ranks[rank])} on rank {rank} differs entering step {self.draws.step}, "
+                "as named above")
+
+    def _rank_order(self) -> list[int]:
+        """The ranks, those whose streams the stream diagnosis named first: where a difference after a reduction
+        over the ranks shows on every rank, it began there."""
+        named = sorted(self.draws.ranks) if self.draws is not None else []
+        return named + [rank for rank in range(len(self.lines_a)) if rank not in named]
 
     def _per_rank(self, get_a: Callable[[int], dict[str, int] | None],
                   get_b: Callable[[int], dict[str, int] | None]) -> tuple[int | None, str] | None:
         """(rank or None, the first differing name) over ranks (same process count) or whole tensors."""
         if self.same_ranks:
-            for rank in range(len(self.lines_a)):
+            for rank in self._rank_order():
                 prints_a, prints_b = get_a(rank), get_b(rank)
                 if prints_a is None or prints_b is None:
                     continue
@@ -132,6 +206,9 @@ class _Step:
             return None
         name = _first_key(_whole(ranks_a, self.a.sharded), _whole(ranks_b, self.b.sharded))
         return (None, name) if name is not None else None
+
+    def _configs(self) -> list[str] | None:
+        return config_differences(self.a, self.b, self.step)
 
     def entering(self) -> list[str] | None:
         starts = any("entering" in line for line in self.lines_a + self.lines_b)
@@ -145,10 +222,19 @@ class _Step:
                 what = "parameter" if kind == "param" else "optimizer state"
                 resumed = [label for label, lines in (("A", self.lines_a), ("B", self.lines_b))
                            if any("entering" in line for line in lines) and self.step > 1]
-                how = (f"{' and '.join(resumed)} resumed here: what the resume loaded differs"
-                       if resumed else "the initial weights differ")
-                return [f"{self._at(rank)}: {what} `{name}` entering the step differs, before any batch "
-                        f"({how}: the checkpoint or its loading, not this step's training)"]
+                if resumed:
+                    how = (f"{' and '.join(resumed)} resumed here: what the resume loaded differs: the checkpoint or "
+                           "its loading, not this step's training")
+                elif (configs := self._configs()) is None:
+                    how = ("neither run resumed here: the initial weights differ: their seed (debug.seed), the "
+                           "model's initialization code, or a checkpoint loaded as the initial weights")
+                elif configs:
+                    how = ("neither run resumed here: the initial weights differ; the configs differ in "
+                           + ", ".join(configs))
+                else:
+                    how = ("neither run resumed here: the initial weights differ, the configs equal: the model's "
+                           "initialization code, or a checkpoint loaded as the initial weights")
+                return [f"{self._at(rank)}: {what} `{name}` entering the step differs, before any batch ({how})"]
         return None
 
     def data(self) -> list[str] | None:
@@ -158,24 +244,28 @@ class _Step:
                 return [f"step {self.step}: the samples of the step differ (as a set over every rank and micro-batch,"
                         f" {len(self.lines_a)} against {len(self.lines_b)} processes): the data, not the model"]
             return None
+        if not self.same_split:
+            for rank, (line_a, line_b) in enumerate(zip(self.lines_a, self.lines_b)):
+                if _samples([line_a]) != _samples([line_b]):
+                    return [f"{self._at(rank)}: the samples of the step differ (as a set over its micro-batches, "
+                            f"{self._split_words(rank)}): the data, not the model"]
+            return None
         for rank, (line_a, line_b) in enumerate(zip(self.lines_a, self.lines_b)):
-            batches_a, batches_b = line_a.get("batch", []), line_b.get("batch", [])
-            for index in range(max(len(batches_a), len(batches_b))):
-                batch_a = batches_a[index] if index < len(batches_a) else None
-                batch_b = batches_b[index] if index < len(batches_b) else None
+            for index, (batch_a, batch_b) in enumerate(zip(line_a.get("batch", []), line_b.get("batch", []))):
                 if batch_a == batch_b:
                     continue
-                if batch_a is None or batch_b is None:
-                    return [f"{self._at(rank)}: {'A' if batch_b is None else 'B'} took micro-batch {index} and the "
-                            "other did not (another number of micro-batches per step: the data, not the model)"]
                 key = next(key for key in [*batch_a, *batch_b] if batch_a.get(key) != batch_b.get(key))
                 rows = _differing_rows(batch_a.get(key, []), batch_b.get(key, []))
                 return [f"{self._at(rank)}: the batch of micro-batch {index} differs (`{key}`, sample(s) "
                         f"{rows} of it): the data, not the model"]
         return None
 
+    def _split_words(self, rank: int) -> str:
+        split_a, split_b = self.splits[rank]
+        return f"A {split_a} against B {split_b} micro-batches × samples"
+
     def modules(self) -> list[str] | None:
-        if not self.same_ranks:
+        if not self.same_split:
             return None
         first: tuple[int, int, str] | None = None  # (call index, rank, sentence)
         for rank, (line_a, line_b) in enumerate(zip(self.lines_a, self.lines_b)):
@@ -185,7 +275,7 @@ class _Step:
             for index, (call_a, call_b) in enumerate(zip(calls_a, calls_b)):
                 if first is not None and index >= first[0]:
                     break
-                sentence = _call_difference(call_a, call_b)
+                sentence = _call_difference(call_a, call_b, self._drawn(rank))
                 if sentence is not None:
                     first = (index, rank, sentence)
                     break
@@ -197,25 +287,56 @@ class _Step:
             return None
         return [f"{self._at(first[1])}: {first[2]}"]
 
+    def losses(self) -> list[str] | None:
+        if not self.same_split:
+            return None
+        for rank, (line_a, line_b) in enumerate(zip(self.lines_a, self.lines_b)):
+            losses_a, losses_b = line_a.get("loss"), line_b.get("loss")
+            if losses_a is None or losses_b is None or losses_a == losses_b:
+                continue
+            index = next(i for i, (x, y) in enumerate(zip(losses_a, losses_b)) if x != y)
+            before = f", the losses of rank{'s 0..' if rank > 1 else ' '}{rank - 1} equal" if rank else ""
+            if (drawn := self._drawn(rank)) is not None:
+                cause = f"its random draws differ: {drawn}"
+            else:
+                cause = ("its random draws (dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel "
+                         f"(--debug.fingerprint_modules_at_step {self.step} names the module)")
+            return [f"{self._at(rank)}: its loss of micro-batch {index} differs, the batches and the weights "
+                    f"entering the step equal{before}: the forward pass on this rank, before any reduction over the "
+                    f"ranks: {cause}"]
+        return None
+
     def gradients(self) -> list[str] | None:
         found = self._per_rank(lambda r: self.lines_a[r].get("grad"), lambda r: self.lines_b[r].get("grad"))
         if found is None:
             return None
         rank, name = found
-        if self.same_ranks and any("modules" in line for line in self.lines_a):
-            seen = "the batches equal, every module's output equal"
-            cause = ("the backward pass: a non-deterministic kernel (try --debug.deterministic), or the gradients' "
-                     "reduction over the ranks")
-        elif self.same_ranks:
-            seen = "the batches and the weights entering the step equal"
-            cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
-                     "non-deterministic kernel (--debug.fingerprint_modules_at_step "
-                     f"{self.step} names the module), or the gradients' reduction over the ranks")
-        else:
+        drawn = self._drawn(rank) if rank is not None else None
+        if not self.same_ranks:
             cause = (f"summed over {len(self.lines_a)} against {len(self.lines_b)} processes: another reduction "
                      "order (and each rank's own random draws), which is expected outside the world-size-invariant "
                      "mode")
             seen = "the same samples"
+        elif not self.same_split:
+            seen = f"the same samples, split as {self._split_words(rank or 0)}"
+            cause = ("another split of the step: its sums run in another order, and its random draws fall per "
+                     "micro-batch otherwise")
+        elif drawn is not None:
+            seen = "the batches and the weights entering the step equal"
+            cause = f"its random draws differ: {drawn}"
+        elif any("modules" in line for line in self.lines_a):
+            seen = "the batches equal, every module's output equal"
+            cause = ("the backward pass: a non-deterministic kernel (try --debug.deterministic), or the gradients' "
+                     "reduction over the ranks")
+        elif all("loss" in line for line in self.lines_a + self.lines_b):
+            seen = "the batches, the weights entering the step and every rank's losses equal"
+            cause = ("the backward pass: a non-deterministic kernel (--debug.fingerprint_modules_at_step "
+                     f"{self.step} rules out the forward), or the gradients' reduction over the ranks")
+        else:
+            seen = "the batches and the weights entering the step equal"
+            cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
+                     "non-deterministic kernel (--debug.fingerprint_modules_at_step "
+                     f"{self.step} names the module), or the gradients' reduction over the ranks")
         return [f"{self._at(rank)}: gradient of `{name}` differs before clipping, {seen}: {cause}"]
 
     def update(self) -> list[str] | None:
@@ -227,11 +348,21 @@ class _Step:
             everywhere = "on every rank" if self.same_ranks and len(self.lines_a) > 1 else ""
             equal = " ".join(filter(None, ("gradients equal", everywhere)))
             if kind == "param":
+                configs = self._configs()
+                which = f"; the configs differ in {', '.join(configs)}" if configs else ", e.g. the learning rate"
                 return [f"{self._at(rank)}: {equal}, parameter `{name}` after the update differs (the optimizer: "
-                        "its state or its hyperparameters, e.g. the learning rate)"]
+                        f"its state or its hyperparameters{which})"]
             return [f"{self._at(rank)}: {equal}, parameters after the update equal, optimizer state `{name}` "
                     "differs (the optimizer's state: what it carries to the next step)"]
         return None
+
+
+def _split(line: dict[str, Any]) -> str:
+    """``M × N``: the line's micro-batches and the samples of each (``8+4`` where they are not all of one size)."""
+    sizes = [len(next(iter(batch.values()), [])) for batch in line.get("batch", [])]
+    if len(set(sizes)) <= 1:
+        return f"{len(sizes)} × {sizes[0] if sizes else 0}"
+    return "+".join(map(str, sizes))
 
 
 def _samples(lines: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -250,54 +381,90 @@ def _differing_rows(a: list[int], b: list[int]) -> str:
     return ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
 
 
-def _call_difference(call_a: list[Any], call_b: list[Any]) -> str | None:
-    name_a, inputs_a, outputs_a = call_a
-    name_b, inputs_b, outputs_b = call_b
+def _call_difference(call_a: list[Any], call_b: list[Any], drawn: str | None) -> str | None:
+    """What the first differing call says; ``drawn``: the streams of this rank the stream diagnosis named."""
+    name_a, inputs_a, outputs_a = call_a[:3]
+    name_b, inputs_b, outputs_b = call_b[:3]
     if name_a != name_b:
         return f"the modules ran in another order (A called `{name_a}` where B called `{name_b}`): another model"
     if inputs_a != inputs_b:
         return (f"`{name_a}` input differs, every module call that ended before it gave equal outputs: the "
                 "difference arose outside any module (code between modules, or the step's input)")
-    if outputs_a != outputs_b:
-        return (f"`{name_a}` output differs, its input equal (a kernel: an operation inside it gave other bits; "
-                "its parameters entered the step equal)")
-    return None
+    if outputs_a == outputs_b:
+        return None
+    if len(call_a) > 3 and len(call_b) > 3:  # each call's draws recorded: null for none, else the state it drew from
+        drew_a, drew_b = call_a[3], call_b[3]
+        if (drew_a is None) != (drew_b is None):
+            drew, did_not = ("A", "B") if drew_a is not None else ("B", "A")
+            return (f"`{name_a}` output differs, its input equal: its random draws differ: it drew random numbers in "
+                    f"{drew} and none in {did_not} (dropout switched off in {did_not}?)")
+        if drew_a != drew_b:
+            return (f"`{name_a}` output differs, its input equal: its random draws differ: the random streams entering "
+                    "it differ" + (f" ({drawn})" if drawn is not None else " (--debug.rng_fingerprint names which)"))
+    elif drawn is not None:
+        return f"`{name_a}` output differs, its input equal: its random draws differ: {drawn}"
+    return (f"`{name_a}` output differs, its input equal (a kernel: an operation inside it gave other bits; "
+            "its parameters entered the step equal)")
 
 
-def locate(a: RunPrints, b: RunPrints, up_to: int | None = None) -> Finding | None:
-    """The first thing that differs, up to step ``up_to``, in the order entering state, data, forward, gradient,
-    update; None when every fingerprint both runs hold is equal."""
+def locate(a: RunPrints, b: RunPrints, up_to: int | None = None, draws: Draws | None = None) -> Finding | None:
+    """The first thing that differs, up to step ``up_to``, in the order entering state, data, forward, losses,
+    gradient, update; None when every fingerprint both runs hold is equal. ``draws``: the streams the stream
+    diagnosis found differing, which then name random draws as the cause on their ranks."""
     for step in sorted(set(a.steps) & set(b.steps)):
         if up_to is not None and step > up_to:
             break
-        checks = _Step(a, b, step)
-        for check in (checks.entering, checks.data, checks.modules, checks.gradients, checks.update):
+        checks = _Step(a, b, step, draws)
+        for check in (checks.entering, checks.data, checks.modules, checks.losses, checks.gradients, checks.update):
             lines = check()
             if lines is not None:
                 return Finding(step, lines)
     return None
 
 
-def locate_runs(run_a: Path, run_b: Path, up_to: int | None = None) -> tuple[str, list[str]]:
-    """("found", lines) naming the first difference; ("equal", lines) when every fingerprint matched; ("absent",
-    lines) when one run has none (a hint), or ("absent", []) when neither has any (nothing to say)."""
-    a, b = read_prints(run_a), read_prints(run_b)
-    if a is None and b is None:
-        return "absent", []
-    if a is None or b is None:
-        return "absent", [f"tensor fingerprints only in {'B' if a is None else 'A'}: run both with "
-                          "--debug.tensor_fingerprint to learn which tensor differed first"]
-    finding = locate(a, b, up_to)
-    if finding is None:
-        span = f"up to step {up_to}" if up_to is not None else "at every step both hold"
-        return "equal", [f"every tensor fingerprint equal {span} (batches, gradients, parameters, optimizer state)"]
-    return "found", ["the first tensor that differs: " + finding.lines[0], *finding.lines[1:]]
+class TensorPrints:
+    """Both runs' tensor fingerprints, read once: the first tensor that differs, and what the runs recorded about
+    how they were launched (for the random-stream diagnosis' hints)."""
 
+    def __init__(self, run_a: Path, run_b: Path) -> None:
+        self.a, self.b = read_prints(run_a), read_prints(run_b)
 
-def tensor_report(run_a: Path, run_b: Path, first_loss_step: int | None) -> list[str]:
-    """Lines for compare_losses: where the losses part at ``first_loss_step``, the first tensor that differs up to
-    it; where they do not (None), a note only when a tensor differs all the same."""
-    state, lines = locate_runs(run_a, run_b, first_loss_step)
-    if first_loss_step is not None:
-        return lines
-    return ["note: the losses are equal, but " + lines[0], *lines[1:]] if state == "found" else []
+    def launches(self, step: int) -> Launches:
+        """Whether either run resumed up to ``step``, and the keys in which their configs differ there."""
+        if self.a is None or self.b is None or step not in self.a.steps or step not in self.b.steps:
+            return Launches()
+        return Launches(resumed_by(self.a, self.b, step), config_differences(self.a, self.b, step))
+
+    def outside_the_trainer(self) -> bool:
+        """Whether a run's fingerprints were recorded outside this project's trainer (ExactResume, the HF and
+        Lightning integrations: their config, unlike the trainer's, has no ``job.dump_folder``): no
+        stream-fingerprint option to advise there."""
+        for run in (self.a, self.b):
+            config = run.config(min(run.steps))[1] if run is not None and run.steps else None
+            if config is not None and "job.dump_folder" not in config:
+                return True
+        return False
+
+    def report(self, up_to: int | None = None, draws: Draws | None = None) -> tuple[str, list[str]]:
+        """("found", lines) naming the first difference; ("equal", lines) when every fingerprint matched;
+        ("absent", lines) when one run has none (a hint), or ("absent", []) when neither has any."""
+        a, b = self.a, self.b
+        if a is None and b is None:
+            return "absent", []
+        if a is None or b is None:
+            return "absent", [f"tensor fingerprints only in {'B' if a is None else 'A'}: run both with "
+                              "--debug.tensor_fingerprint to learn which tensor differed first"]
+        finding = locate(a, b, up_to, draws)
+        if finding is None:
+            span = f"up to step {up_to}" if up_to is not None else "at every step both hold"
+            return "equal", [f"every tensor fingerprint equal {span} (batches, gradients, parameters, optimizer "
+                             "state)"]
+        return "found", ["the first tensor that differs: " + finding.lines[0], *finding.lines[1:]]
+
+    def lines_for(self, first_loss_step: int | None, draws: Draws | None = None) -> list[str]:
+        """Lines for compare_losses: where the losses part at ``first_loss_step``, the first tensor that differs
+        up to it; where they do not (None), a note only when a tensor differs all the same."""
+        state, lines = self.report(first_loss_step, draws)
+        if first_loss_step is not None:
+            return lines
+        return ["note: the losses are equal, but " + lines[0], *lines[1:]] if state == "found" else []

@@ -18,14 +18,20 @@
   JIT checkpoint's SIGTERM handler (which saves in the middle of a step, on each process on its own) is
   taken back; its callback stays, inert;
 * ``train(resume_from_checkpoint=True)`` starts afresh, with one line, when ``output_dir`` holds no checkpoint
-  yet (the stock Trainer raises): one job script serves the first launch and every resumption.
+  yet (the stock Trainer raises): one job script serves the first launch and every resumption;
+* with ``tensor_fingerprint=True``, per optimizer step and process, hashes of each micro-batch, its loss, the
+  gradients before clipping, the parameters and optimizer state after the update, and the state a resume
+  loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md): ``compare_losses`` names the first
+  tensor that differs between two runs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +41,8 @@ from transformers.trainer_jit_checkpoint import JITCheckpointCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from torchtitan_rng import signals
+from torchtitan_rng.config import Debug
+from torchtitan_rng.diagnosis.tensor_fingerprints import TensorFingerprints
 from torchtitan_rng.distributed import StopVote
 from torchtitan_rng.errors import ConfigError
 from torchtitan_rng.integrations import check_tested_version
@@ -101,6 +109,52 @@ class _ExactResumeCallback(transformers.TrainerCallback):
         self.resumed_epoch = None
 
 
+# TrainingArguments that say where a run writes and logs, not what it trains: not compared between runs.
+_WHERE = ("dir", "hub_", "run_name", "logging_", "report_to", "save_", "push_to_hub", "resume_from_checkpoint")
+
+
+class _Fingerprints(transformers.TrainerCallback):
+    """``tensor_fingerprint``: the recorder, built at the first step (the optimizer exists then, and a resume has
+    loaded); each optimizer step begins it, its end records the update, a save writes what is queued."""
+
+    def __init__(self, trainer: transformers.Trainer, modules_at: int, dump_folder: str | Path | None) -> None:
+        self.trainer, self.modules_at, self.dump_folder = trainer, modules_at, dump_folder
+        self.prints: TensorFingerprints | None = None
+
+    def on_step_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                      control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.prints is None:
+            config = json.loads(json.dumps({f"args.{key}": value for key, value in args.to_dict().items()
+                                            if not any(part in key for part in _WHERE)}, default=repr))
+            self.prints = TensorFingerprints(
+                Debug(tensor_fingerprint=True, fingerprint_modules_at_step=self.modules_at), self.trainer.model,
+                self.trainer.optimizer, rank=args.process_index, world_size=args.world_size,
+                dump_folder=Path(self.dump_folder if self.dump_folder is not None else args.output_dir),
+                config=config)
+        self.prints.step_begin(state.global_step + 1)
+
+    def on_pre_optimizer_step(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                              control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.prints is not None and "grad" not in self.prints.record:  # max_grad_norm 0: nothing clipped
+            self.prints.gradients()
+
+    def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                    control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.prints is not None:
+            self.prints.updated(flush=False)
+
+    def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.prints is not None:
+            self.prints.flush()
+
+    def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: Any) -> None:
+        if self.prints is not None:
+            self.prints.close()
+            self.prints = None
+
+
 class ExactResumeTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose runs resume bit for bit; same constructor and ``train()``.
 
@@ -115,10 +169,17 @@ class ExactResumeTrainer(transformers.Trainer):
         on_num_workers_change: ``"error"`` (default) or ``"warn"``: resuming with another
             ``dataloader_num_workers`` than the checkpoint's, for a dataset that may draw from the global
             streams, is refused, or continues inexactly with one WARNING.
+        tensor_fingerprint: record the tensor locator's fingerprints (each micro-batch, its loss, the gradients
+            before clipping, the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``.
+        fingerprint_modules_at_step: with ``tensor_fingerprint``, at this optimizer step also hash every module
+            call's inputs and outputs (up to the step's clipping); 0: none.
+        dump_folder: where the fingerprints go, beside the run's loss log (``compare_losses`` reads both from
+            it); default: ``output_dir``.
     """
 
     def __init__(self, *args: Any, on_stock_checkpoint: str = "error", on_num_workers_change: str = "error",
-                 **kwargs: Any) -> None:
+                 tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
+                 dump_folder: str | Path | None = None, **kwargs: Any) -> None:
         for name, value in (("on_stock_checkpoint", on_stock_checkpoint),
                             ("on_num_workers_change", on_num_workers_change)):
             if value not in ("error", "warn"):
@@ -137,6 +198,26 @@ class ExactResumeTrainer(transformers.Trainer):
         # First: every other callback (and the log) sees the epoch it corrects at each step's end.
         self.callback_handler.callbacks.insert(0, self._exact)
         self._exact_loader: EpochLoader | None = None
+        if fingerprint_modules_at_step < 0:
+            raise ConfigError(f"ExactResumeTrainer fingerprint_modules_at_step={fingerprint_modules_at_step}: it "
+                              "must be >= 0")
+        self._prints = _Fingerprints(self, fingerprint_modules_at_step, dump_folder) if tensor_fingerprint else None
+        if self._prints is not None:
+            self.callback_handler.callbacks.insert(1, self._prints)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        prints = self._prints.prints if self._prints is not None else None
+        if prints is not None:
+            prints.batch(inputs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if prints is not None:
+            prints.loss(loss)  # this process's micro-batch loss, before any reduction over processes
+        return loss
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if self._prints is not None and self._prints.prints is not None:
+            self._prints.prints.gradients()  # before clipping
+        return super()._clip_grad_norm(model)
 
     def _take_sigterm_from_jit_checkpoint(self) -> None:
         """One owner of SIGTERM: this trainer (an agreed step, every process, between steps). The stock JIT

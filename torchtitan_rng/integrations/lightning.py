@@ -20,11 +20,16 @@ collate_fn, shuffle or not). Then:
   ``fit(ckpt_path="last")`` finds the files of a ``ModelCheckpoint(save_last=True)`` only (Lightning's rule; such
   a one saves its last file at the end of the stopped ``fit()``); a ``fit()`` that loads no checkpoint while the
   folder holds a preempted one says so in one warning naming it: a preempted run is never trained again from
-  step 1 silently.
+  step 1 silently;
+* with ``tensor_fingerprint=True``, per optimizer step and rank, hashes of each micro-batch, its loss, the
+  gradients before clipping, the parameters and optimizer state after the update, and the state a resume
+  loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md): ``compare_losses`` names the first
+  tensor that differs between two runs.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,6 +42,8 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from torchtitan_rng import signals
+from torchtitan_rng.config import Debug
+from torchtitan_rng.diagnosis.tensor_fingerprints import TensorFingerprints
 from torchtitan_rng.distributed import StopVote, rank_and_world_size
 from torchtitan_rng.errors import ConfigError
 from torchtitan_rng.integrations import check_tested_version
@@ -61,11 +68,23 @@ class ExactResumeCallback(L.Callback):
             default: that loader's ``generator`` seed, else torch's (``L.seed_everything``), which every rank
             must share.
 
+        tensor_fingerprint: record the tensor locator's fingerprints (each micro-batch, its loss, the gradients
+            before clipping, the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``.
+        fingerprint_modules_at_step: with ``tensor_fingerprint``, at this optimizer step also hash every module
+            call's inputs and outputs (up to the step's clipping); 0: none.
+        dump_folder: where the fingerprints go, beside the run's loss log; default ``default_root_dir``.
+
     After ``fit()``, ``preempted_checkpoint`` is the path of that checkpoint when a signal stopped the run
     (``None`` otherwise): a script can tell a preempted ``fit()`` from a finished one.
     """
 
-    def __init__(self, dirpath: str | Path | None = None, seed: int | None = None) -> None:
+    def __init__(self, dirpath: str | Path | None = None, seed: int | None = None, *,
+                 tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
+                 dump_folder: str | Path | None = None) -> None:
+        if fingerprint_modules_at_step < 0:
+            raise ConfigError(f"ExactResumeCallback fingerprint_modules_at_step={fingerprint_modules_at_step}: it "
+                              "must be >= 0")
+        self._prints = _Fingerprints(fingerprint_modules_at_step, dump_folder) if tensor_fingerprint else None
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.seed = seed
         self.preempted_checkpoint: Path | None = None
@@ -106,6 +125,8 @@ class ExactResumeCallback(L.Callback):
             val_loop.run = _PreservingStreams(val_loop.run, vars(val_loop).get("run"), self, self._loaders[0].device)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._prints is not None:
+            self._prints.close()
         # The vote cast at the last step (every rank has one in flight): a signal during it is saved here.
         if self._vote is not None and self._vote.close():
             self._save_preempted(trainer)
@@ -121,6 +142,8 @@ class ExactResumeCallback(L.Callback):
         self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._prints is not None:
+            self._prints.close()  # what is queued is written, also after a failure
         # The loader's workers ignore the checkpoint signals, so exit-time termination cannot end them.
         for loader in self._loaders:
             loader.close()
@@ -157,6 +180,8 @@ class ExactResumeCallback(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
+        if self._prints is not None and self._prints.prints is not None:
+            self._prints.prints.flush()  # the fingerprints so far, read at the save's own sync
         loaders = _epoch_loaders(trainer)  # during training, or after it (its end position)
         if not loaders:  # saved before any training: there is no loader position to keep
             return
@@ -187,8 +212,20 @@ class ExactResumeCallback(L.Callback):
 
     # -- the stop on a signal ----------------------------------------------------------------------------
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._prints is not None:
+            self._prints.batch(trainer, pl_module, batch)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._prints is not None and self._prints.prints is not None:
+            self._prints.prints.gradients()  # Lightning clips after this hook
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._prints is not None:
+            self._prints.batch_end(trainer, outputs)
         # At optimizer steps only, the same ones on every rank; the vote is read one step later, never waited for.
         if trainer.fit_loop._should_accumulate() or self._vote is None:
             return
@@ -216,6 +253,45 @@ class ExactResumeCallback(L.Callback):
             rank_zero_warn(f"{found[-1]} holds a preempted run and this fit() loaded no checkpoint: it trains from "
                            f"step 1; to resume it pass ckpt_path=\"{found[-1]}\" (ckpt_path=\"last\" finds it only "
                            "through a ModelCheckpoint(save_last=True))")
+
+
+class _Fingerprints:
+    """``tensor_fingerprint``: the recorder, built at the first batch (the optimizer exists then, and a resume has
+    loaded); each optimizer step begins at its first micro-batch and ends, recorded, after its update."""
+
+    def __init__(self, modules_at: int, dump_folder: str | Path | None) -> None:
+        self.modules_at, self.dump_folder = modules_at, dump_folder
+        self.prints: TensorFingerprints | None = None
+
+    def batch(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
+        if self.prints is None:
+            config = {"trainer.gradient_clip_val": trainer.gradient_clip_val,
+                      "trainer.gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+                      "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
+                      **{f"hparams.{key}": value for key, value in pl_module.hparams.items()}}
+            self.prints = TensorFingerprints(
+                Debug(tensor_fingerprint=True, fingerprint_modules_at_step=self.modules_at), pl_module,
+                trainer.optimizers[0] if trainer.optimizers else None, rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                dump_folder=Path(self.dump_folder if self.dump_folder is not None else trainer.default_root_dir),
+                config=json.loads(json.dumps(config, default=repr)))
+        if self.prints.record.get("step") != trainer.global_step + 1:  # the step's first micro-batch
+            self.prints.step_begin(trainer.global_step + 1)
+        self.prints.batch(batch)
+
+    def batch_end(self, trainer: L.Trainer, outputs: Any) -> None:
+        if self.prints is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.prints.loss(loss)  # this rank's micro-batch loss, before any reduction over ranks
+        if trainer.global_step == self.prints.record.get("step"):  # the optimizer stepped: the update is done
+            self.prints.updated(flush=False)
+
+    def close(self) -> None:
+        if self.prints is not None:
+            self.prints.close()
+            self.prints = None
 
 
 def _as_exact_loader(loader: Any, seed: int | None) -> Any:

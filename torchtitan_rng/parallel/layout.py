@@ -2,9 +2,11 @@
 and the mesh. The interface, and the layout without stages.
 
 Two layouts today: :class:`FlatLayout` here (every rank the whole model and its own data shard, FSDP2 over all
-processes) and ``pipeline.py`` (stages over ``pp`` ranks, each sharded over its ``dp`` ranks). A layout runs
-the micro-batches of a step and asks its :class:`~torchtitan_rng.parallel.numerics.Numerics` at the points where
-the numerics differ; a new axis (tensor or context parallelism, replicated shards) is a new layout.
+processes) and ``pipeline.py`` (stages over ``pp`` ranks, each sharded over its ``dp`` ranks). Both have a
+tensor-parallel dimension (``tensor.py``: ``tp`` ranks split each layer and share a data shard), the innermost of
+their mesh. A layout runs the micro-batches of a step and asks its
+:class:`~torchtitan_rng.parallel.numerics.Numerics` at the points where the numerics differ; a new axis (context
+parallelism, replicated shards) is a new layout or a new dimension of the mesh.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.config import JobConfig, Parallelism
 from torchtitan_rng.distributed import World, data_parallel_degree, mean_over_ranks
-from torchtitan_rng.parallel import wrapping
+from torchtitan_rng.parallel import tensor, wrapping
 from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.train_spec import Batch, LossFn, TrainSpec
 
@@ -44,6 +47,7 @@ class Layout(ABC):
         self.config = config
         self.world = world
         self.compute_context: Callable[[], ContextManager] = contextlib.nullcontext  # set by wrap()
+        self.tensor = tensor.TensorDimension(config, None, world.rank)  # the layout sets its own from its mesh
 
     # --- before any process starts ---------------------------------------------------------------------------
     @classmethod
@@ -78,6 +82,17 @@ class Layout(ABC):
         """The ranks that read different data (None: all)."""
         return None
 
+    @property
+    def stream_rank(self) -> int:
+        """What seeds this rank's global streams: its data shard and stage, the same on every rank of a
+        tensor-parallel group (the process rank when there is none)."""
+        return self.tensor.stream_rank
+
+    @property
+    def tensor_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split this rank's layers with it (None: no tensor parallelism)."""
+        return self.tensor.group
+
     @abstractmethod
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         """As :meth:`ParallelPlan.wrap`."""
@@ -111,33 +126,66 @@ class Layout(ABC):
 
 
 class FlatLayout(Layout):
-    """Every rank the whole model and its own data shard; FSDP2 over all processes (nothing on one)."""
+    """Every rank the whole model (split over its tensor-parallel group, when ``tp`` > 1) and its data shard; FSDP2
+    over the ``dp`` data shards (nothing on one). Mesh ``dp_shard x tp``: rank = dp_rank x tp + tp_rank."""
 
     reseeds_by_process_count = True
 
+    def __init__(self, config: JobConfig, world: World) -> None:
+        super().__init__(config, world)
+        tp = config.parallelism.tensor_parallel_degree
+        self.dp = data_parallel_degree(config.parallelism, world.world_size)
+        self.dp_rank = world.rank // tp
+        if tp == 1:  # the process group's own mesh: no groups to build
+            self.mesh = self.dp_mesh = world.mesh
+        else:
+            self.mesh = init_device_mesh(world.device.type, (self.dp, tp), mesh_dim_names=("dp_shard", "tp"))
+            self.dp_mesh = self.mesh["dp_shard"]
+        self.tensor = tensor.TensorDimension(config, self.mesh, self.dp_rank)
+
     @classmethod
     def check_config(cls, config: JobConfig, world_size: int, numerics: type[Numerics]) -> None:
-        data_parallel_degree(config.parallelism, world_size)
-        numerics.check_data(config.training, config.data, world_size, "processes")
+        dp = data_parallel_degree(config.parallelism, world_size)
+        ranks = "processes" if config.parallelism.tensor_parallel_degree == 1 else \
+            "data-parallel ranks (processes / tensor_parallel_degree)"
+        numerics.check_data(config.training, config.data, dp, ranks)
+        numerics.check_tensor_parallel(config.parallelism)
+        tensor.check_config(config)
 
     @classmethod
     def data_ranks(cls, parallelism: Parallelism, world_size: int) -> int:
-        return world_size
+        """Each tensor-parallel group one shard (the pipeline keys mean nothing without stages)."""
+        return world_size // parallelism.tensor_parallel_degree
 
     @classmethod
     def compared(cls, values: dict[str, Any], parallelism: Parallelism,
                  blocks: Callable[[], int | None]) -> dict[str, Any]:
-        """Without stages the stage keys mean nothing: left out."""
-        return {key: value for key, value in values.items() if key not in STAGE_KEYS}
+        """Without stages the stage keys mean nothing: left out; so is the tensor-parallel degree, which the
+        checkpoint rule judges with the process count (:meth:`Mode.check_checkpoint`)."""
+        return {key: value for key, value in values.items() if key not in (*STAGE_KEYS, tensor.KEY)}
+
+    def describe(self, numerics: Numerics) -> str:
+        if self.tensor.mesh is None:
+            return ""
+        return f"tensor parallel: dp {self.dp} x tp {self.tensor.degree}"
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        return self.dp_rank, self.dp
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        return self.dp_mesh.get_group() if self.tensor.mesh is not None else None
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         config = self.config
+        self.tensor.split(model, spec)
         wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
         wrapping.apply_compile(model, spec, config.compile)
         numerics.hook_model(model, spec)
-        sharded = self.world.world_size > 1
+        sharded = self.dp > 1
         if sharded:
-            spec.apply_fsdp(model, self.world.mesh, numerics.fsdp_policy())
+            spec.apply_fsdp(model, self.dp_mesh, numerics.fsdp_policy())
             numerics.sharded(model)
         self.compute_context = wrapping.autocast_context(config.training, self.world.device,
                                                          sharded and numerics.casts_by_fsdp)
@@ -165,7 +213,7 @@ class FlatLayout(Layout):
         total = torch.zeros((), device=self.world.device)
         for loss in losses:
             total += loss
-        return mean_over_ranks(total / len(losses))
+        return mean_over_ranks(total / len(losses), self.data_group)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm as FSDP2 computes it over the shards (a 0-d tensor on the device: no sync here)."""

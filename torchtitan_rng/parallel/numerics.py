@@ -28,6 +28,7 @@ from torchtitan_rng.data.sampler import ResumableBatchSampler
 from torchtitan_rng.errors import CheckpointError
 from torchtitan_rng.parallel import wrapping
 from torchtitan_rng.parallel.mode import check_checkpoint_mode
+from torchtitan_rng.parallel.tensor import KEY as TENSOR_KEY, saved_tensor_degree
 from torchtitan_rng.train_spec import TrainSpec
 
 if TYPE_CHECKING:
@@ -71,9 +72,14 @@ class Numerics(ABC):
         step's samples."""
 
     @classmethod
+    def check_tensor_parallel(cls, parallelism: Parallelism) -> None:
+        """Raise ConfigError when these numerics cannot run ``parallelism.tensor_parallel_degree``."""
+
+    @classmethod
     @abstractmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
-        """As :meth:`ParallelPlan.check_checkpoint`."""
+    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None,
+                         tensor_parallel_degree: int = 1) -> bool:
+        """As :meth:`Mode.check_checkpoint` (``tensor_parallel_degree``: this run's)."""
 
     @classmethod
     def layout_keys(cls) -> tuple[str, ...]:
@@ -174,7 +180,7 @@ class Numerics(ABC):
         """As :attr:`ParallelPlan.loads_dataloader`."""
 
     @abstractmethod
-    def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
+    def position_data(self, sampler: Any, step: int, saved_data_ranks: int | None, reseeded: bool) -> None:
         """As :meth:`ParallelPlan.position_data`."""
 
 
@@ -196,17 +202,28 @@ class CarriedNumerics(Numerics):
         gradient_accumulation_steps(training, data_ranks)
 
     @classmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
+    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None,
+                         tensor_parallel_degree: int = 1) -> bool:
+        """Exact only with the process count and tensor-parallel degree that saved it (each rank's streams, the
+        split of every sum); another continues inexactly with ``on_world_size_change="reseed"``."""
         check_checkpoint_mode(info, invariant=False)
-        saved = info.saved_world_size
-        if world_size is None or saved is None or saved == world_size:
+        saved, saved_tp, tp = info.saved_world_size, saved_tensor_degree(info), tensor_parallel_degree
+        count_differs = world_size is not None and saved is not None and saved != world_size
+        if not count_differs and saved_tp == tp:
             return False
         if on_world_size_change == "reseed":
             return True
         alternative = (' or pass on_world_size_change="reseed" to continue anyway (inexact),' if on_world_size_change
                        else "")
-        raise CheckpointError(f"checkpoint {info.path} was saved by {saved} processes and this run has {world_size}: "
-                              f"it cannot resume exactly;{alternative} run with {saved} processes")
+        if saved_tp == tp:
+            raise CheckpointError(f"checkpoint {info.path} was saved by {saved} processes and this run has "
+                                  f"{world_size}: it cannot resume exactly;{alternative} run with {saved} processes")
+        count = f"{saved} processes at " if count_differs else ""
+        now = f"{world_size} at " if count_differs else ""
+        raise CheckpointError(f"checkpoint {info.path} was saved by {count}{TENSOR_KEY} = {saved_tp} and this run has "
+                              f"{now}{tp}: it cannot resume exactly (each rank's streams and the split of every sum "
+                              f"follow the degree);{alternative} run with --{TENSOR_KEY} {saved_tp}"
+                              f"{f' on {saved} processes' if count_differs else ''}")
 
     @classmethod
     def step_sample_keys(cls, config: JobConfig, num_samples: int, data_ranks: int, step: int) -> list[list[int]]:
@@ -265,13 +282,13 @@ class CarriedNumerics(Numerics):
     def loads_dataloader(self) -> bool:
         return True
 
-    def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
-        """With another process count (reseeded) the data keeps its global position in the epoch: each of the
-        N ranks starts its share of the epoch's permutation at ceil(p * M / N), p being where the M ranks were
-        (assuming the same ``training.local_batch_size``)."""
+    def position_data(self, sampler: Any, step: int, saved_data_ranks: int | None, reseeded: bool) -> None:
+        """With another count of data shards (reseeded) the data keeps its global position in the epoch: each of
+        the N shards starts its share of the epoch's permutation at ceil(p * M / N), p being where the M shards
+        were (assuming the same ``training.local_batch_size``)."""
         if not reseeded:
             return
-        saved_world = saved_world_size or self.data_ranks
+        saved_world = saved_data_ranks or self.data_ranks
         if not isinstance(sampler, ResumableBatchSampler):  # a streaming source's split is part of its state
             raise CheckpointError(f"a streaming source (data.streaming) cannot be re-split over another process "
                                   f"count: resume with {saved_world} processes")

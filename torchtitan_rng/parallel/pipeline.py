@@ -1,6 +1,7 @@
 """The staged layout: the model split into stages over ``pp`` ranks, each stage sharded by FSDP2 over its ``dp``
-ranks, on one 2-D mesh of ``pp x dp`` processes (rank = pp_rank x dp + dp_rank, as torchtitan lays it;
-``data_parallel_shard_degree x pipeline_parallel_degree`` = the process count).
+ranks and split over its ``tp`` ranks (``tensor.py``), on one 3-D mesh of ``pp x dp x tp`` processes (rank =
+(pp_rank x dp + dp_rank) x tp + tp_rank, as torchtitan lays it; ``data_parallel_shard_degree x
+tensor_parallel_degree x pipeline_parallel_degree`` = the process count).
 
 A step is an optimizer step, as without stages: ``torch.distributed.pipelining`` runs the rank's loader batches
 through the schedule, each split into ``local_batch_size / pipeline_parallel_microbatch_size`` micro-batches (the
@@ -33,8 +34,9 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.config import ConfigError, JobConfig, Parallelism, Training
 from torchtitan_rng.distributed import World, data_parallel_degree
-from torchtitan_rng.parallel import wrapping
+from torchtitan_rng.parallel import tensor, wrapping
 from torchtitan_rng.parallel.layout import Layout, to_device
+from torchtitan_rng.parallel.tensor import TensorDimension
 from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.train_spec import Batch, LossFn, PipelineSplit, TrainSpec, registered_specs
 
@@ -204,10 +206,13 @@ class StagedLayout(Layout):
         super().__init__(config, world)
         self.pp = config.parallelism.pipeline_parallel_degree
         self.dp = data_parallel_degree(config.parallelism, world.world_size)
-        self.pp_rank, self.dp_rank = divmod(world.rank, self.dp)
-        mesh = init_device_mesh(world.device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp_shard"))
+        tp = config.parallelism.tensor_parallel_degree
+        self.pp_rank, self.dp_rank = divmod(world.rank // tp, self.dp)
+        dims = {"pp": self.pp, "dp_shard": self.dp, **({"tp": tp} if tp > 1 else {})}  # no groups of one
+        mesh = init_device_mesh(world.device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
+        self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
         self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
@@ -227,7 +232,11 @@ class StagedLayout(Layout):
             raise ConfigError(_does_not_split(spec.name, pp))
         numerics.check_stages(par, training)
         numerics.check_data(training, config.data, data_parallel_degree(par, world_size),
+                            "data-parallel ranks (processes / (pipeline_parallel_degree x tensor_parallel_degree))"
+                            if par.tensor_parallel_degree > 1 else
                             "data-parallel ranks (processes / pipeline_parallel_degree)")
+        numerics.check_tensor_parallel(par)
+        tensor.check_config(config)
         if training.local_batch_size % numerics.microbatch_size(par, training):
             raise ConfigError(f"config {_KEY}_microbatch_size = {par.pipeline_parallel_microbatch_size} does not "
                               f"divide training.local_batch_size = {training.local_batch_size}; choose a divisor")
@@ -261,7 +270,8 @@ class StagedLayout(Layout):
         return {**values, _SPLIT_KEY: [f"{_SPLIT_PREFIX}{layers[0]}" for layers in stages[1:]]}
 
     def describe(self, numerics: Numerics) -> str:
-        return describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
+        stages = describe_stages(self.config.parallelism, self.config.training, type(numerics), self.dp, self.layers)
+        return f"{stages}; {self.tensor.describe()}" if self.tensor.mesh is not None else stages
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -300,6 +310,7 @@ class StagedLayout(Layout):
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
+        self.tensor.split(model, spec)
         wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]
@@ -395,9 +406,10 @@ class StagedLayout(Layout):
         total = torch.zeros((), device=self.world.device)
         if self.holds_loss:
             total = torch.stack(losses).mean()
-        # Only the last stage's ranks add a loss: the sum over all ranks is the sum over the dp ranks.
+        # Only the last stage's ranks add a loss: the sum over all ranks is the sum over its dp x tp ranks (those
+        # of a tensor-parallel group hold the same loss).
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total / self.dp
+        return total / (self.dp * self.tensor.degree)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The whole model's norm: each stage's (over its dp shards), squared and summed over the stages."""

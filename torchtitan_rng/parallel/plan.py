@@ -12,7 +12,8 @@ diagnosis ask the plan (or, before any process starts, its :class:`Mode`). A pla
   (:attr:`ParallelPlan.samples_per_step`);
 * how a step's gradients are reduced and what loss it reports (:meth:`ParallelPlan.forward_backward`), and the norm
   they are clipped by (:meth:`ParallelPlan.clip_grad_norm`);
-* which ranks read the same batches (:attr:`ParallelPlan.data_shard`);
+* which ranks read the same batches (:attr:`ParallelPlan.data_shard`) and hold the same streams
+  (:attr:`ParallelPlan.stream_rank`, :attr:`ParallelPlan.tensor_group`);
 * which streams enter a step (:attr:`ParallelPlan.carries_streams`, :meth:`ParallelPlan.step_streams`,
   :meth:`ParallelPlan.data_position`);
 * what the checkpoint records about the mode (``mode.py``), what a checkpoint of another layout or process count
@@ -20,7 +21,8 @@ diagnosis ask the plan (or, before any process starts, its :class:`Mode`). A pla
   (:meth:`ParallelPlan.position_data`).
 
 The two axes: the **layout** (``layout.py``: which ranks hold which stages and data shards, micro-batches per rank,
-the mesh; :class:`~.layout.FlatLayout` without stages, :class:`~.pipeline.StagedLayout` with them) and the
+the mesh; :class:`~.layout.FlatLayout` without stages, :class:`~.pipeline.StagedLayout` with them, each with a
+tensor-parallel dimension, ``tensor.py``) and the
 **numerics** (``numerics.py``: carried streams and FSDP2's reduce-scatter; ``invariant/numerics.py``: streams
 derived per micro-batch and block, the slot-order exchange, fixed kernels). Any layout with any numerics.
 """
@@ -51,6 +53,7 @@ class Mode:
 
     layout: type[Layout]
     numerics: type[Numerics]
+    tensor_parallel_degree: int = 1
 
     def check_config(self, config: JobConfig, world_size: int) -> None:
         """Raise ConfigError when ``world_size`` processes cannot run this config in this mode."""
@@ -62,7 +65,7 @@ class Mode:
         (the process count changed and ``on_world_size_change="reseed"`` allows it; None: no such option is
         offered, as by a layout whose data split is not the process count), False for an exact resume."""
         offered = on_world_size_change if self.layout.reseeds_by_process_count else None
-        return self.numerics.check_checkpoint(info, world_size, offered)
+        return self.numerics.check_checkpoint(info, world_size, offered, self.tensor_parallel_degree)
 
     def layout_keys(self) -> tuple[str, ...]:
         """Config keys that only lay a step out over processes, this mode giving the same bits whatever their
@@ -100,13 +103,14 @@ class Mode:
 def mode_of(parallelism: Parallelism) -> Mode:
     """The mode ``parallelism`` asks for: the one place that reads it."""
     numerics = DerivedNumerics if parallelism.world_size_invariant else CarriedNumerics
+    tp = parallelism.tensor_parallel_degree
     if parallelism.pipeline_parallel_degree > 1:
         # Imported only here: torch.distributed.pipelining pulls in torch._dynamo, ~0.6 s of CPU that the
         # launcher of a run that does not pipeline need not spend.
         from torchtitan_rng.parallel.pipeline import StagedLayout
 
-        return Mode(StagedLayout, numerics)
-    return Mode(FlatLayout, numerics)
+        return Mode(StagedLayout, numerics, tp)
+    return Mode(FlatLayout, numerics, tp)
 
 
 class ParallelPlan:
@@ -179,6 +183,18 @@ class ParallelPlan:
         """(this rank's share, the number of shares) of the data: ranks of one share read the same batches."""
         return self.layout.data_shard
 
+    @property
+    def stream_rank(self) -> int:
+        """What seeds this rank's global streams in a fresh or reseeded run: its data shard and stage, the same on
+        every rank of a tensor-parallel group (the process rank without tensor parallelism)."""
+        return self.layout.stream_rank
+
+    @property
+    def tensor_group(self) -> Any:
+        """The ranks that split this rank's layers with it (None: no tensor parallelism): their streams must
+        agree."""
+        return self.layout.tensor_group
+
     # --- streams and data position -----------------------------------------------------------------------
     @property
     def carries_streams(self) -> bool:
@@ -195,10 +211,11 @@ class ParallelPlan:
         """What carries this rank's data position across a resume (fingerprinted as the "dataloader" stream)."""
         return self.numerics.data_position(dataloader)
 
-    def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
+    def position_data(self, sampler: Any, step: int, saved_data_ranks: int | None, reseeded: bool) -> None:
         """After a checkpoint of ``step`` was loaded: put the data where ``step`` leaves it, when the loader's
-        own state was not loaded (another process count, or a mode that does not restore it)."""
-        self.numerics.position_data(sampler, step, saved_world_size, reseeded)
+        own state was not loaded (another process count, or a mode that does not restore it); ``saved_data_ranks``:
+        the data shards of the run that saved it (None: not known)."""
+        self.numerics.position_data(sampler, step, saved_data_ranks, reseeded)
 
     @property
     def loads_dataloader(self) -> bool:

@@ -62,16 +62,16 @@ from torchtitan_rng.integrations.torchtitan.layout import (describe_layout, layo
                                                            saved_stream_ranks)
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
 from torchtitan_rng.integrations.torchtitan.manager import ExactResumeCheckpointManager
-from torchtitan_rng.integrations.torchtitan.mask_groups import MASK_GROUPS, MASK_STREAMS, mask_group_mismatch
 from torchtitan_rng.integrations.torchtitan.options import check_options
 from torchtitan_rng.integrations.torchtitan.standins import provide_presplit_step, provide_set_timeout
 from torchtitan_rng.integrations.torchtitan.streams import STREAMS_PART, _PreservedStreamsValidator
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
+from torchtitan_rng.rng import MASK_STREAMS
 
-__all__ = ["DEGREE_KEYS", "MASK_GROUPS", "MASK_STREAMS", "QUIET_KEYS", "STREAMS_PART", "ExactResumeCheckpointManager",
+__all__ = ["DEGREE_KEYS", "MASK_STREAMS", "QUIET_KEYS", "STREAMS_PART", "ExactResumeCheckpointManager",
            "_PreservedStreamsValidator", "attach_loss_log", "carry_worker_streams", "config_drift", "config_values",
            "describe_layout", "exact_resume", "layout_change", "layout_of", "provide_presplit_step",
-           "provide_set_timeout", "saved_stream_ranks", "mask_group_mismatch"]
+           "provide_set_timeout", "saved_stream_ranks"]
 
 check_tested_version("torchtitan")
 provide_set_timeout()

@@ -31,5 +31,8 @@ register_train_spec(
         throughput_unit="images",
         validate=validate,
         block_lists=lambda model: [model.transformer.double_blocks, model.transformer.single_blocks],
+        tensor_parallel_refusal="its single-stream blocks project attention's q, k, v and the MLP's input with one "
+                                "linear and take both back with another, which a column then row split does not "
+                                "follow",
     )
 )

@@ -45,21 +45,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """The projection's rows are head-major (each head's q, k and v side by side), so that a column split of
+    ``qkv`` gives each tensor-parallel rank whole heads; the head count is read from the projection's output
+    (all heads, or a rank's)."""
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
         self.out = nn.Linear(args.dim, args.dim, bias=False)
         self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads).permute(2, 0, 3, 1, 4)
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.out(attn.transpose(1, 2).reshape(batch, seq, dim))
+        return self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

@@ -7,13 +7,17 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchtitan_rng.config import ConfigError, JobConfig, Training
 from torchtitan_rng.data.token_files import vocab_size
 from torchtitan_rng.models.llama.dataset import build_text_dataset
-from torchtitan_rng.models.llama.model import FLAVORS, Llama, LlamaStage, prune_to_stages
-from torchtitan_rng.train_spec import Batch, PipelineSplit, TrainSpec, register_train_spec
+from torchtitan_rng.models.llama.model import FLAVORS, Block, Llama, LlamaStage, prune_to_stages
+from torchtitan_rng.parallel.tensor import ReplicatedParallel
+from torchtitan_rng.train_spec import Batch, PipelineSplit, TensorParallelSplit, TrainSpec, register_train_spec
 
 
 def build_llama(config: JobConfig) -> Llama:
@@ -40,6 +44,41 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def check_tensor_parallel(config: JobConfig, degree: int) -> str | None:
+    """The attention heads and the MLP's hidden units split evenly over ``degree`` ranks, or the line saying not."""
+    args = FLAVORS.get(config.model.flavor)
+    if args is None:  # an unknown flavor is refused by build_llama with the list of flavors
+        return None
+    for count, what in ((args.n_heads, "attention heads (and key/value heads)"), (args.hidden_dim, "MLP hidden units")):
+        if count % degree:
+            divisors = ", ".join(str(d) for d in range(1, args.n_heads + 1)
+                                 if args.n_heads % d == 0 and args.hidden_dim % d == 0)
+            return (f"llama flavor {config.model.flavor!r} has {count} {what}, which {degree} ranks do not split "
+                    f"evenly; choose a degree dividing both its {args.n_heads} heads and {args.hidden_dim} hidden "
+                    f"units ({divisors})")
+    return None
+
+
+def split_llama(model: nn.Module, mesh: DeviceMesh) -> None:
+    """torchtitan's plan for its Llama, on this model: attention and the SwiGLU MLP split column-wise then
+    row-wise (whole heads per rank), the embedding by vocabulary rows, the output projection by vocabulary columns
+    gathered whole for the loss, the norms replicated. Between blocks the activations stay whole on every rank
+    (no sequence split): their dropout then draws one mask, the same on every rank of the group, on any device
+    (a CPU mesh cannot split a random draw). Parts a pipeline stage does not hold are skipped."""
+    if model.embed is not None:
+        parallelize_module(model.embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for block in model.layers:
+        if isinstance(block, Block):
+            parallelize_module(block, mesh, {
+                "attn_norm": ReplicatedParallel(), "attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel(),
+                "ffn_norm": ReplicatedParallel(), "ffn.gate": ColwiseParallel(), "ffn.up": ColwiseParallel(),
+                "ffn.down": RowwiseParallel(),
+            })
+    if model.output is not None:
+        parallelize_module(model.norm, mesh, ReplicatedParallel())
+        parallelize_module(model.output, mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
 def shard_llama(model: nn.Module, mesh: object, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> None:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
@@ -58,5 +97,6 @@ register_train_spec(
         block_lists=lambda model: [model.layers],
         pipeline=PipelineSplit(prune=prune_to_stages, stage=LlamaStage, loss=next_token_loss, input_key="input",
                                target_key="labels", deeper=deeper_flavor),
+        tensor_parallel=TensorParallelSplit(check=check_tensor_parallel, apply=split_llama),
     )
 )

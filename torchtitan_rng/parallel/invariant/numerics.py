@@ -96,7 +96,14 @@ class DerivedNumerics(Numerics):
         setup.check_batch_layout(training, data, data_ranks, ranks=ranks)
 
     @classmethod
-    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None) -> bool:
+    def check_tensor_parallel(cls, parallelism: Parallelism) -> None:
+        if parallelism.tensor_parallel_degree > 1:
+            raise ConfigError(f"{_FLAG} does not split layers over tensor-parallel ranks: set "
+                              "parallelism.tensor_parallel_degree to 1, or run without the flag")
+
+    @classmethod
+    def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None,
+                         tensor_parallel_degree: int = 1) -> bool:
         check_checkpoint_mode(info, invariant=True)
         return False  # any process count continues it exactly
 
@@ -210,5 +217,5 @@ class DerivedNumerics(Numerics):
     def loads_dataloader(self) -> bool:
         return False
 
-    def position_data(self, sampler: Any, step: int, saved_world_size: int | None, reseeded: bool) -> None:
+    def position_data(self, sampler: Any, step: int, saved_data_ranks: int | None, reseeded: bool) -> None:
         sampler.load_state_dict({"step": step, "slot": 0})
