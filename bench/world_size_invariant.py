@@ -27,12 +27,14 @@ _PROGRESS = re.compile(r"\s([\d.]+) ms/step\s+(?:peak rss|mem) ([\d.]+) GiB")
 
 
 def step_times(nproc: int, invariant: bool, flavor: str, steps: int, log_freq: int, local: int,
-               dump: str) -> tuple[list[float], float]:
-    """(ms per step of each progress line but the first, which holds start-up; the last line's memory GiB)."""
+               dump: str, shards: int = 0, *extra: str) -> tuple[list[float], float]:
+    """(ms per step of each progress line but the first, which holds start-up; the last line's memory GiB);
+    ``shards``: the data shards, one micro-batch each per step (0: every process its own); ``extra``: more
+    overrides."""
     args = ["--job.dump_folder", dump, "--model.flavor", flavor, "--training.steps", str(steps),
-            "--metrics.log_freq", str(log_freq), "--training.local_batch_size", str(local)]
+            "--metrics.log_freq", str(log_freq), "--training.local_batch_size", str(local), *extra]
     if invariant:
-        args += ["--parallelism.world_size_invariant", "--training.global_batch_size", str(local * nproc)]
+        args += ["--parallelism.world_size_invariant", "--training.global_batch_size", str(local * (shards or nproc))]
     env = {**os.environ, "NGPU": str(nproc), "CONFIG_FILE": str(DEBUG_CONFIG), "PYTHON": sys.executable,
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(["bash", str(REPO / "run_train.sh"), *args], cwd=REPO, capture_output=True, text=True,

@@ -214,6 +214,10 @@ class Parallelism:
                                                   "parallelism.world_size_invariant (the only size that mode runs)")
     pipeline_parallel_split_points: list[str] = _key([], "where stages start, as layers.N (N-1 names for N "
                                                      "stages); empty: layers split evenly")
+    tensor_parallel_chunks: int = _key(4, "with parallelism.world_size_invariant: the chunks every tensor-split "
+                                       "dimension (attention heads, MLP hidden features) is computed in, at every "
+                                       "tensor-parallel degree, so that any degree dividing it gives the same bits "
+                                       "(the largest degree the run may use; docs/world_size_invariant.md)")
 
 
 @dataclass
@@ -273,6 +277,7 @@ _MINIMUMS: dict[str, float] = {
     "training.local_batch_size": 1,
     "parallelism.pipeline_parallel_degree": 1,
     "parallelism.tensor_parallel_degree": 1,
+    "parallelism.tensor_parallel_chunks": 1,
     "parallelism.pipeline_parallel_microbatch_size": 0,
     "training.seq_len": 2,
     "training.max_norm": 0,
@@ -745,3 +750,24 @@ def to_flags(config: JobConfig) -> list[str]:
             value = str(value).lower()
         flags.append(f"--{key.dotted}={value}")
     return flags
+
+
+# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
+QUIET = (
+    "job.config_file", "job.dump_folder", "job.description",
+    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
+    "metrics.*", "signals.*",
+    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
+    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
+    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
+    # (data.on_num_workers_change).
+    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
+    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
+    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
+    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
+    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
+)
+
+
+def is_quiet(key: str) -> bool:
+    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET

@@ -61,6 +61,7 @@ def _start(checkpoints: list[Location], step: int, trusted_module: str) -> tuple
     if record is None:
         raise ConfigError(f"checkpoint {chosen or checkpoints[0]} holds no run.json: its config is unknown")
     run_record.refuse_untrusted_module(chosen or checkpoints[0], record["config"], trusted_module)
+    run_record.refuse_other_llama_layout(chosen or checkpoints[0], record)
     return chosen, record["config"]
 
 

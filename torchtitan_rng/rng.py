@@ -58,6 +58,10 @@ STREAMS: dict[str, Stream] = {
         Stream("micro-batch-layer", "run", "per micro-batch", ("step", "slot", "layer"), "world-size-invariant "
                "training: the same streams again before each block (layer) of a micro-batch, so that a pipeline "
                "stage starting at any layer draws what one process running every layer draws"),
+        Stream("tensor-chunk", "run", "per micro-batch", ("block draw", "chunk"), "world-size-invariant training "
+               "with tensor chunks: the torch streams while one chunk of a split layer draws (attention dropout), keyed "
+               "by a number its block's stream draws first, so that the rank holding the chunk draws what one process "
+               "draws for it"),
         Stream("reseed", "run", "per rank", ("step",), "a resume that cannot restore the global streams (no RNG "
                "state, another process count or device type): the root of its fresh training-streams"),
         Stream("dataloader", "run", "per rank", ("dp_rank",), "the dataloader's own generator: its workers' base "

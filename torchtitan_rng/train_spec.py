@@ -58,6 +58,20 @@ class TensorParallelSplit:
 
 
 @dataclass(frozen=True)
+class TensorChunkSplit:
+    """How a model's layers compute in tensor chunks in the world-size-invariant mode
+    (``parallelism.tensor_parallel_chunks``: the same chunks at every tensor-parallel degree)."""
+
+    # (config, chunks): why the model cannot split into ``chunks`` chunks, in one line; None: it can. Called before
+    # any process starts (no model is built).
+    check: Callable[[JobConfig, int], str | None]
+    # (model or one pipeline stage's part of it, the ChunkPlacement, the ChunkStreams, the tensor-parallel mesh or
+    # None): split it in place, before checkpointing, compile and FSDP2; returns each split weight's module and
+    # the dimension its weight is split along (0: output features, 1: input features).
+    apply: Callable[[nn.Module, Any, Any, Any], list[tuple[nn.Module, int]]]
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     """What ``model.name = NAME`` trains: model, dataset, loss and sharding, registered under ``name``."""
 
@@ -86,6 +100,9 @@ class TrainSpec:
     # ``tensor_parallel_refusal`` as the reason when given).
     tensor_parallel: TensorParallelSplit | None = None
     tensor_parallel_refusal: str = ""
+    # How its layers compute in tensor chunks in the world-size-invariant mode; None: they do not (that mode then
+    # computes them whole, and splits them over no tensor-parallel ranks).
+    tensor_chunks: TensorChunkSplit | None = None
 
 
 _specs: dict[str, TrainSpec] = {}

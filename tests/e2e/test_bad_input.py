@@ -62,6 +62,15 @@ LAYOUT_CASES = {
                                                          "ranks do not split evenly"),
     "flux does not split": (2, ("--parallelism.tensor_parallel_degree", "2", "--model.name", "flux"),
                             "model 'flux' does not split over tensor-parallel ranks (its single-stream blocks"),
+    "invariant: tp does not divide the chunks": (3, ("--parallelism.world_size_invariant", "--training.global_batch_size",
+                                                     "24", "--parallelism.tensor_parallel_degree", "3"),
+                                                 "parallelism.tensor_parallel_degree = 3 does not divide "
+                                                 "parallelism.tensor_parallel_chunks = 4"),
+    "invariant: the chunks do not divide the heads": (2, ("--parallelism.world_size_invariant",
+                                                          "--training.global_batch_size", "16",
+                                                          "--parallelism.tensor_parallel_chunks", "8"),
+                                                      "tensor_parallel_chunks = 8 does not divide the model's 4 "
+                                                      "attention heads"),
 }
 
 

@@ -285,9 +285,33 @@ def test_a_newer_record_format_is_refused(tmp_path: Path) -> None:
     run_record.write_record(tmp_path, record)
     assert run_record.read_record(tmp_path) == json.loads(json.dumps(record))  # control: this format reads
     run_record.write_record(tmp_path, {**record, "format": record["format"] + 1})
-    with pytest.raises(run_record.ConfigDriftError, match=r"run.json has format 2, newer than this torchtitan_rng "
-                                                          r"reads \(1\); resume it with the version that saved it"):
+    newer, now = record["format"] + 1, record["format"]
+    with pytest.raises(run_record.ConfigDriftError, match=rf"run.json has format {newer}, newer than this torchtitan_rng "
+                                                          rf"reads \({now}\); resume it with the version that saved it"):
         run_record.read_record(tmp_path)
+
+
+def test_a_format_1_llama_checkpoint_is_refused_for_its_qkv_layout() -> None:
+    # Format 1 kept attn.qkv as all queries, keys, values: the same shapes, other heads, no error at load.
+    old = {**_record(), "format": 1, "versions": {"torchtitan_rng": "0.1.2"}}
+    with pytest.raises(run_record.ConfigDriftError, match=r"saved by torchtitan_rng 0.1.2, whose Llama lays out "
+                                                          r"attn.qkv as all queries.*finish that run with torchtitan_rng 0.1.2"):
+        _check(old, _record())
+    assert _check(_record(), _record()) == []  # control: this format resumes
+    flux = _record("--model.name", "flux", "--model.flavor", "debug")
+    assert not [line for line in _check({**flux, "format": 1}, flux) if line.startswith("error")]  # Flux kept its layout
+
+
+def test_a_key_added_since_a_record_is_compared_with_what_the_record_ran() -> None:
+    # A record without parallelism.tensor_parallel_chunks ran the invariant mode unchunked (1): 4 is another run.
+    saved = _record("--parallelism.world_size_invariant", "--parallelism.tensor_parallel_chunks", "1")
+    del saved["config"]["parallelism.tensor_parallel_chunks"]
+    current = _record("--parallelism.world_size_invariant", "--parallelism.tensor_parallel_chunks", "4")
+    with pytest.raises(run_record.ConfigDriftError, match=r"parallelism.tensor_parallel_chunks = 4 but checkpoint "
+                                                          r"ckpt/step-10 was trained with 1"):
+        _check(saved, current)
+    unchunked = _record("--parallelism.world_size_invariant", "--parallelism.tensor_parallel_chunks", "1")
+    assert _check(saved, unchunked) == []  # control: the value the record ran resumes
 
 
 def test_a_newer_train_state_format_is_refused() -> None:

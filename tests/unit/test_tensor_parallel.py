@@ -94,9 +94,10 @@ def test_flux_is_refused_naming_why_and_the_invariant_mode_naming_its_flag() -> 
         "single-stream blocks project attention's q, k, v and the MLP's input with one linear and take both back "
         "with another, which a column then row split does not follow); run it with "
         "--parallelism.tensor_parallel_degree 1")
-    invariant = _config(TP, "2", "--parallelism.world_size_invariant", "--training.global_batch_size", "16")
-    with pytest.raises(ConfigError, match="^--parallelism.world_size_invariant does not split layers over "
-                                          "tensor-parallel ranks"):
+    invariant = _config(TP, "2", "--parallelism.world_size_invariant", "--training.global_batch_size", "16",
+                        config=str(REPO / "train_configs" / "flux_debug.toml"))
+    with pytest.raises(ConfigError, match="^--parallelism.world_size_invariant: model 'flux' computes no layer in "
+                                          "tensor chunks"):
         mode_of(invariant.parallelism).check_config(invariant, 2)
 
 

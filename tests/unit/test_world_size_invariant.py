@@ -76,7 +76,7 @@ def _sum_worker(rank: int, world: int, store: str, out: str) -> None:
         params.append(param)
     squares = sum(p.grad.to_local().square().sum() for p in params)
     dist.all_reduce(squares)  # the control: each rank's sum of squares, then one all-reduce
-    torch.save({"exchange": exchange.shard, "plain": plain, "norm": grad_norm(params, world),
+    torch.save({"exchange": exchange.shard, "plain": plain, "norm": grad_norm(params),
                 "plain_norm": squares.sqrt()}, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -90,7 +90,7 @@ def test_slot_order_sum_and_norm_same_bits_on_3_processes_as_on_one_plain_all_re
     for grad in _norm_grads():
         params.append(torch.nn.Parameter(torch.zeros_like(grad)))
         params[-1].grad = grad
-    one_process_norm = grad_norm(params, 1)
+    one_process_norm = grad_norm(params)
     plain_norm = sum(p.grad.square().sum() for p in params).sqrt()
     mp.spawn(_sum_worker, args=(3, str(tmp_path / "store"), str(tmp_path / "sum")), nprocs=3)
     results = [torch.load(tmp_path / f"sum.{rank}") for rank in range(3)]

@@ -9,7 +9,7 @@ On resume every difference of the *resolved* values is classified. ``lr_schedule
 means ``training.steps``, so the horizon is compared, not the spelling: stopping with ``--training.steps
 10 --lr_scheduler.total_steps 20`` and resuming with ``--training.steps 20`` changes nothing.
 
-* Quiet: keys that cannot change the trajectory (``QUIET``).
+* Quiet: keys that cannot change the trajectory (``config.QUIET``).
 * Named: keys a resume may change with a note (``NAMED``), e.g. ``training.skip_steps``.
 * Refused by default: every other key, and the data's content. One line per key (saved and new value,
   what to do); ``checkpoint.allow_config_change KEY,...`` turns a key's refusal into a WARNING.
@@ -28,24 +28,14 @@ from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.checkpoint.layout import METADATA_NAME, RECORD_NAME
 from torchtitan_rng.checkpoint.storage import Where, locate
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
+from torchtitan_rng.config import is_quiet
 
-_FORMAT = 1
+# 2: the trainer's Llama keeps each head's q, k and v rows of attn.qkv together (tensor parallelism splits by head);
+# format 1 kept all queries, then all keys, then all values, which load into the same shapes as other heads' rows.
+_FORMAT = 2
+# Keys added after records of format 1, with the value that gives what a run recorded without them computed.
+INTRODUCED = {"parallelism.tensor_parallel_degree": 1, "parallelism.tensor_parallel_chunks": 1}
 
-# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
-QUIET = (
-    "job.config_file", "job.dump_folder", "job.description",
-    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
-    "metrics.*", "signals.*",
-    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
-    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
-    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
-    # (data.on_num_workers_change).
-    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
-    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
-    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
-    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
-    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
-)
 # Keys whose change a resume names (a note) instead of refusing: the change is what the user came to make, and
 # the resumed steps are then exactly those of a run launched with the new value (why, for each).
 NAMED = {
@@ -104,6 +94,17 @@ def read_record(checkpoint: Where) -> dict[str, Any] | None:
     return record
 
 
+def refuse_other_llama_layout(checkpoint: Where, record: dict[str, Any]) -> None:
+    """ConfigDriftError for a Llama checkpoint of the trainer whose record predates format 2: its attn.qkv rows
+    are laid out as all queries, keys, values, and would load, with no error, into other heads."""
+    if record.get("format", 1) < 2 and record["config"].get("model.name") == "llama":
+        version = (record.get("versions") or {}).get("torchtitan_rng", "unknown")
+        raise ConfigDriftError(f"checkpoint {checkpoint} was saved by torchtitan_rng {version}, whose Llama lays out "
+                               "attn.qkv as all queries, then keys, then values; this version keeps each head's "
+                               "rows together, so the weights would load into other heads: finish that run with "
+                               f"torchtitan_rng {version}")
+
+
 def read_checked_record(checkpoint: Where) -> dict[str, Any] | None:
     """:func:`read_record` for a tool that reads a checkpoint without loading it (``samples``, ``replay``): its
     ``run.json`` and ``.metadata`` checked against ``checksums.json`` first, so a damaged record is refused,
@@ -136,10 +137,6 @@ def trust_hint(trained: str, module: str) -> str:
             f"you name it: pass --{CODE_KEY} {module} if you trust it")
 
 
-def is_quiet(key: str) -> bool:
-    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET
-
-
 @dataclass(frozen=True)
 class Change:
     key: str
@@ -161,8 +158,9 @@ Compared = Callable[[dict[str, Any]], dict[str, Any]]
 def differences(saved: dict[str, Any], current: dict[str, Any], compared: Compared | None = None) -> list[Change]:
     """The trajectory keys whose resolved value differs (quiet keys left out; both configs seen through the run's
     parallel mode, ``compared``, when given), in key order. A key only one side has (added or removed by another
-    version, or left out by ``compared``) is not compared: the record cannot say its old value."""
-    saved_config, config = saved["config"], current["config"]
+    version, or left out by ``compared``) is not compared: the record cannot say its old value, unless this version
+    knows what a record without it ran (``INTRODUCED``)."""
+    saved_config, config = {**INTRODUCED, **saved["config"]}, current["config"]
     if compared is not None:
         saved_config, config = compared(saved_config), compared(config)
     changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
@@ -209,6 +207,7 @@ def check_resume(checkpoint: Where, saved: dict[str, Any] | None, current: dict[
     if saved is None:
         return [f"WARNING: checkpoint {checkpoint} holds no {RECORD_NAME} (saved by an older version): the config "
                 "it was trained with is unknown, so a changed key cannot be detected"]
+    refuse_other_llama_layout(checkpoint, saved)
     warnings: list[str] = []
     refused: list[str] = []
     for change in differences(saved, current, compared):

@@ -93,6 +93,11 @@ class Layout(ABC):
         """The ranks that split this rank's layers with it (None: no tensor parallelism)."""
         return self.tensor.group
 
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold this rank's part of the model between them (None: all)."""
+        return None
+
     @abstractmethod
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         """As :meth:`ParallelPlan.wrap`."""
@@ -149,7 +154,7 @@ class FlatLayout(Layout):
         ranks = "processes" if config.parallelism.tensor_parallel_degree == 1 else \
             "data-parallel ranks (processes / tensor_parallel_degree)"
         numerics.check_data(config.training, config.data, dp, ranks)
-        numerics.check_tensor_parallel(config.parallelism)
+        numerics.check_tensor_parallel(config)
         tensor.check_config(config)
 
     @classmethod
@@ -179,7 +184,7 @@ class FlatLayout(Layout):
 
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         config = self.config
-        self.tensor.split(model, spec)
+        numerics.split_layers(model, spec, self.tensor)
         wrapping.apply_activation_checkpointing(model, spec, config.activation_checkpoint)
         wrapping.apply_compile(model, spec, config.compile)
         numerics.hook_model(model, spec)

@@ -33,6 +33,7 @@ from torchtitan_rng.train_spec import TrainSpec
 
 if TYPE_CHECKING:
     from torchtitan_rng.parallel.layout import Layout
+    from torchtitan_rng.parallel.tensor import TensorDimension
 
 
 class Numerics(ABC):
@@ -72,8 +73,9 @@ class Numerics(ABC):
         step's samples."""
 
     @classmethod
-    def check_tensor_parallel(cls, parallelism: Parallelism) -> None:
-        """Raise ConfigError when these numerics cannot run ``parallelism.tensor_parallel_degree``."""
+    def check_tensor_parallel(cls, config: JobConfig) -> None:
+        """Raise ConfigError when these numerics cannot split the model's layers as ``config`` asks (over
+        ``parallelism.tensor_parallel_degree`` ranks)."""
 
     @classmethod
     @abstractmethod
@@ -104,6 +106,11 @@ class Numerics(ABC):
     @abstractmethod
     def casts_by_fsdp(self) -> bool:
         """Whether FSDP2's policy casts the parameters for compute (else autocast does, sharded or not)."""
+
+    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor: TensorDimension) -> None:
+        """Before checkpointing and compile wrap ``model`` (this rank's part of it): how its layers compute split
+        over the layout's tensor-parallel dimension; torch's tensor-parallel styles, as the spec plans them."""
+        tensor.split(model, spec)
 
     def hook_model(self, model: nn.Module, spec: TrainSpec) -> None:
         """After checkpointing and compile wrapped the blocks of ``model`` (this rank's part of it)."""

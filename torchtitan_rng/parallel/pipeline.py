@@ -213,6 +213,13 @@ class StagedLayout(Layout):
         self.pp_group = mesh["pp"].get_group()
         self.dp_mesh = mesh["dp_shard"]
         self.tensor = TensorDimension(config, mesh, self.pp_rank * self.dp + self.dp_rank)
+        # The ranks of this rank's stages: its dp ranks, or with tensor parallelism its dp x tp ranks (one group
+        # per stage, every rank creating each, as new_group requires).
+        self._stage_group = self.dp_mesh.get_group()
+        if tp > 1:
+            per_stage = self.dp * tp
+            groups = [dist.new_group(list(range(p * per_stage, (p + 1) * per_stage))) for p in range(self.pp)]
+            self._stage_group = groups[self.pp_rank]
         self.stages: list[PlanStage] = []
         self.schedule: Any = None
         self.split: PipelineSplit | None = None
@@ -235,7 +242,7 @@ class StagedLayout(Layout):
                             "data-parallel ranks (processes / (pipeline_parallel_degree x tensor_parallel_degree))"
                             if par.tensor_parallel_degree > 1 else
                             "data-parallel ranks (processes / pipeline_parallel_degree)")
-        numerics.check_tensor_parallel(par)
+        numerics.check_tensor_parallel(config)
         tensor.check_config(config)
         if training.local_batch_size % numerics.microbatch_size(par, training):
             raise ConfigError(f"config {_KEY}_microbatch_size = {par.pipeline_parallel_microbatch_size} does not "
@@ -281,11 +288,15 @@ class StagedLayout(Layout):
     def data_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
 
+    @property
+    def stage_group(self) -> dist.ProcessGroup:
+        return self._stage_group
+
     def wrap(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> LossFn:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.model_order = [name for name, _ in trainable]
         self.model_rows = [p.shape[0] if p.dim() else 1 for _, p in trainable]
-        modules = self._split_model(model, spec)
+        modules = self._split_model(model, spec, numerics)
         numerics.hook_model(model, spec)
         sharded = self.dp > 1
         if sharded:
@@ -298,7 +309,7 @@ class StagedLayout(Layout):
         self._build_schedule(modules, numerics)
         return spec.loss_fn
 
-    def _split_model(self, model: nn.Module, spec: TrainSpec) -> list[nn.Module]:
+    def _split_model(self, model: nn.Module, spec: TrainSpec, numerics: Numerics) -> list[nn.Module]:
         """Keep this rank's part of ``model`` (checkpointing and compile applied) and return its stages' modules."""
         if spec.pipeline is None or spec.block_lists is None:
             raise ConfigError(_does_not_split(spec.name, self.pp))
@@ -310,7 +321,7 @@ class StagedLayout(Layout):
         self.stage_ids = stages_of_rank(self.config.parallelism, self.pp_rank)
         self.split.prune(model, {index for s in self.stage_ids for index in layers[s]}, 0 in self.stage_ids,
                          count - 1 in self.stage_ids)
-        self.tensor.split(model, spec)
+        numerics.split_layers(model, spec, self.tensor)
         wrapping.apply_activation_checkpointing(model, spec, self.config.activation_checkpoint)
         wrapping.apply_compile(model, spec, self.config.compile)
         return [self.split.stage(model, layers[s], s == 0, s == count - 1) for s in self.stage_ids]

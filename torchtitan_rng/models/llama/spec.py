@@ -14,10 +14,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from torchtitan_rng.config import ConfigError, JobConfig, Training
 from torchtitan_rng.data.token_files import vocab_size
+from torchtitan_rng.models.llama.chunked import chunks_refusal, split_llama_chunks
 from torchtitan_rng.models.llama.dataset import build_text_dataset
 from torchtitan_rng.models.llama.model import FLAVORS, Block, Llama, LlamaStage, prune_to_stages
 from torchtitan_rng.parallel.tensor import ReplicatedParallel
-from torchtitan_rng.train_spec import Batch, PipelineSplit, TensorParallelSplit, TrainSpec, register_train_spec
+from torchtitan_rng.train_spec import (Batch, PipelineSplit, TensorChunkSplit, TensorParallelSplit, TrainSpec,
+                                       register_train_spec)
 
 
 def build_llama(config: JobConfig) -> Llama:
@@ -34,6 +36,13 @@ def deeper_flavor(layers: int) -> str:
     """The smallest flavor with at least ``layers`` blocks, as an override ("": none has that many)."""
     deep = sorted((args.n_layers, args.dim, name) for name, args in FLAVORS.items() if args.n_layers >= layers)
     return f"--model.flavor {deep[0][2]}" if deep else ""
+
+
+def llama_chunks_refusal(config: JobConfig, chunks: int) -> str | None:
+    """Why the configured flavor's blocks cannot split into ``chunks`` chunks (None: they can, or the flavor is
+    unknown, which the build refuses)."""
+    args = FLAVORS.get(config.model.flavor)
+    return chunks_refusal(args, chunks) if args is not None else None
 
 
 def llama_loss(model: nn.Module, batch: Batch, training: Training) -> torch.Tensor:
@@ -98,5 +107,6 @@ register_train_spec(
         pipeline=PipelineSplit(prune=prune_to_stages, stage=LlamaStage, loss=next_token_loss, input_key="input",
                                target_key="labels", deeper=deeper_flavor),
         tensor_parallel=TensorParallelSplit(check=check_tensor_parallel, apply=split_llama),
+        tensor_chunks=TensorChunkSplit(check=llama_chunks_refusal, apply=split_llama_chunks),
     )
 )

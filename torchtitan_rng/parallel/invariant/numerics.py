@@ -37,15 +37,17 @@ from torchtitan_rng.checkpoint.states import Stateful
 from torchtitan_rng.config import ConfigError, Data, JobConfig, Parallelism, Training
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
 from torchtitan_rng.parallel.invariant import reduction, setup
+from torchtitan_rng.parallel.invariant.chunks import ChunkPlacement
 from torchtitan_rng.parallel.invariant.step import Slots, divide_grads, mean_loss_in_slot_order
-from torchtitan_rng.parallel.invariant.streams import MicroBatchStreams
+from torchtitan_rng.parallel.invariant.streams import ChunkStreams, MicroBatchStreams
 from torchtitan_rng.parallel.mode import RECORD_PART, InvariantRecord, check_checkpoint_mode
 from torchtitan_rng.parallel.numerics import Numerics
 from torchtitan_rng.rng import preserved_global_rng, seed_micro_batch_streams
-from torchtitan_rng.train_spec import TrainSpec
+from torchtitan_rng.train_spec import TrainSpec, registered_specs
 
 if TYPE_CHECKING:
     from torchtitan_rng.parallel.layout import Layout
+    from torchtitan_rng.parallel.tensor import TensorDimension
 
 _FLAG = "--parallelism.world_size_invariant"
 # The schedules this mode refuses, and why: the order of a stage's gradient sum would not be slot order.
@@ -56,6 +58,11 @@ REFUSED_SCHEDULES = {
     "ZBVZeroBubble": _SPLIT,
     "LoopedBFS": "runs a stage's backwards in reverse micro-batch order, so its gradients would add in another order",
 }
+
+
+def _no_chunks(model: str) -> str:
+    return (f"{_FLAG}: model {model!r} computes no layer in tensor chunks, so it splits over no tensor-parallel "
+            "ranks; set parallelism.tensor_parallel_degree to 1")
 
 
 class DerivedNumerics(Numerics):
@@ -72,6 +79,8 @@ class DerivedNumerics(Numerics):
         self.slots: Slots | None = None  # set by batch_sampler(), which sees the dataset
         self.exchanges: list[reduction.SlotOrderExchange] = []  # one per FSDP2 module, when sharded
         self.streams = MicroBatchStreams(config.debug.seed)
+        self.placement = ChunkPlacement(1)  # the layers' tensor chunks (split_layers)
+        self.split_weights: list[tuple[nn.Module, int]] = []  # the split layers and their weight's split dimension
 
     @classmethod
     def check_stages(cls, parallelism: Parallelism, training: Training) -> None:
@@ -96,10 +105,24 @@ class DerivedNumerics(Numerics):
         setup.check_batch_layout(training, data, data_ranks, ranks=ranks)
 
     @classmethod
-    def check_tensor_parallel(cls, parallelism: Parallelism) -> None:
-        if parallelism.tensor_parallel_degree > 1:
-            raise ConfigError(f"{_FLAG} does not split layers over tensor-parallel ranks: set "
-                              "parallelism.tensor_parallel_degree to 1, or run without the flag")
+    def check_tensor_parallel(cls, config: JobConfig) -> None:
+        """The model's split dimensions divide into ``parallelism.tensor_parallel_chunks`` chunks, and the chunks
+        into the tensor-parallel degree (a model without tensor chunks splits over no tensor-parallel ranks)."""
+        par = config.parallelism
+        chunks, degree = par.tensor_parallel_chunks, par.tensor_parallel_degree
+        spec = registered_specs().get(config.model.name)
+        if spec is not None and spec.tensor_chunks is None:  # None: a custom module's spec, checked when built
+            if degree > 1:
+                raise ConfigError(_no_chunks(spec.name))
+            return
+        if chunks % degree:
+            counts = ", ".join(str(n) for n in range(1, chunks + 1) if chunks % n == 0)
+            raise ConfigError(f"{_FLAG}: parallelism.tensor_parallel_degree = {degree} does not divide "
+                              f"parallelism.tensor_parallel_chunks = {chunks} (every degree computes the same chunks); "
+                              f"use a degree among {counts}, or more chunks (a new run: the chunks set the bits)")
+        problem = spec.tensor_chunks.check(config, chunks) if spec is not None and chunks > 1 else None
+        if problem is not None:
+            raise ConfigError(f"{_FLAG}: {problem}")
 
     @classmethod
     def check_checkpoint(cls, info: CheckpointInfo, world_size: int | None, on_world_size_change: str | None,
@@ -109,8 +132,10 @@ class DerivedNumerics(Numerics):
 
     @classmethod
     def layout_keys(cls) -> tuple[str, ...]:
-        """How many processes, pipeline stages and which schedule: the same bits under every value."""
-        return ("parallelism.data_parallel_shard_degree", "parallelism.pipeline_parallel_degree",
+        """How many processes, tensor-parallel ranks, pipeline stages and which schedule: the same bits under
+        every value."""
+        return ("parallelism.data_parallel_shard_degree", "parallelism.tensor_parallel_degree",
+                "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_microbatch_size",
                 "parallelism.pipeline_parallel_split_points")
 
@@ -133,6 +158,23 @@ class DerivedNumerics(Numerics):
     @property
     def casts_by_fsdp(self) -> bool:
         return False
+
+    def split_layers(self, model: nn.Module, spec: TrainSpec, tensor: TensorDimension) -> None:
+        """The model's split layers in ``parallelism.tensor_parallel_chunks`` chunks at every degree, this rank's
+        of them when the layout's tensor-parallel dimension splits them (``chunks.py``); nothing when the model has
+        no such split or the chunks are 1 (then the degree is 1)."""
+        chunks, tensor_mesh = self.config.parallelism.tensor_parallel_chunks, tensor.mesh
+        if spec.tensor_chunks is None and tensor_mesh is not None:  # a custom module's spec, unchecked before
+            raise ConfigError(_no_chunks(spec.name))
+        if spec.tensor_chunks is None or chunks == 1:
+            return
+        if tensor_mesh is None:
+            self.placement = ChunkPlacement(chunks)
+        else:
+            self.placement = ChunkPlacement(chunks, tensor_mesh.size(), tensor_mesh.get_local_rank(),
+                                            tensor_mesh.get_group())
+        self.split_weights += spec.tensor_chunks.apply(model, self.placement,
+                                                       ChunkStreams(self.config.debug.seed, self.device), tensor_mesh)
 
     def hook_model(self, model: nn.Module, spec: TrainSpec) -> None:
         """Reseed at each of ``model``'s blocks (a model without blocks draws from its micro-batch's stream
@@ -198,9 +240,11 @@ class DerivedNumerics(Numerics):
         return layout.share_loss(loss)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
-        """The norm from the same vector of row squares at every layout: each parameter's (gathered over its
-        data shards), in the whole model's parameter order."""
-        parts = reduction.row_squares(params, self.data_ranks, layout.data_group)
+        """The norm from the same vector of row squares at every layout: each parameter's (assembled over the
+        ranks that hold this rank's stages; a row of a weight split by input features summed chunk by chunk, then
+        by the chunk tree), in the whole model's parameter order."""
+        split_dims = {id(module.weight): dim for module, dim in self.split_weights}
+        parts = reduction.row_squares(params, layout.stage_group, split_dims, self.placement)
         return reduction.clip_grads(params, max_norm, reduction.norm_of(layout.in_model_order(params, parts)))
 
     @contextlib.contextmanager

@@ -33,6 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_c
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rng.errors import ConfigError
+from torchtitan_rng.parallel.invariant.chunks import TENSOR_DIM, ChunkPlacement, tree_sum
 
 
 class SlotOrderExchange(ReduceScatter):
@@ -97,36 +98,69 @@ def _row_chunk(rows: int, world: int) -> int:
 def _row_squares(grad: torch.Tensor) -> torch.Tensor:
     """Per row (index along dim 0) the sum of squares in float64: each row lies whole on one rank, and its sum
     is the same kernel on the same elements at every process count."""
-    local = grad.to_local() if isinstance(grad, DTensor) else grad
-    rows = local.reshape(local.shape[0] if local.dim() else 1, -1)
+    rows = grad.reshape(grad.shape[0] if grad.dim() else 1, -1)
     return rows.double().square().sum(dim=1)
 
 
-def row_squares(params: list[nn.Parameter], world: int, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+def _shards(grad: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((rank, ranks) of the tensor-parallel split, (rank, ranks) of FSDP2's row shards) of a gradient: read from
+    its DTensor placements (the mesh dimension named ``tp`` splits it over tensor-parallel ranks, any other over
+    data shards); ((0, 1), (0, 1)) for a plain tensor."""
+    split, shard = (0, 1), (0, 1)
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        names = mesh.mesh_dim_names or (None,) * mesh.ndim
+        for index, (name, placement) in enumerate(zip(names, grad.placements)):
+            if placement.is_shard():
+                place = (mesh.get_local_rank(index), mesh.size(index))
+                split, shard = (place, shard) if name == TENSOR_DIM else (split, place)
+    return split, shard
+
+
+def row_squares(params: list[nn.Parameter], group: dist.ProcessGroup | None = None,
+                split_dims: dict[int, int] | None = None, placement: ChunkPlacement | None = None) -> list[torch.Tensor]:
     """Per parameter with a gradient (in ``params`` order) the float64 sums of squares of all its rows
-    (:func:`_row_squares`), gathered from the ``world`` ranks of ``group`` that shard it (default: all ranks) by
-    one all-gather of ``sum(ceil(rows / W))`` numbers."""
-    grads = [p.grad for p in params if p.grad is not None]
-    parts = [_row_squares(g) for g in grads]
-    if world == 1:
-        return parts
-    rank = dist.get_rank(group)
-    padded = []
-    for grad, part in zip(grads, parts):
+    (:func:`_row_squares`), the same vector on every rank of ``group`` (default: all ranks), which hold the
+    parameters between them (sharded by FSDP2 along rows, split over tensor-parallel ranks).
+
+    ``split_dims``: the dimension a weight split into tensor chunks is split along (by ``id`` of the parameter;
+    ``placement``: the chunks and this rank's place among them). A weight split along its input features (dim 1)
+    has each row's chunks summed apart, then added by the chunk tree (``chunks.tree_sum``), at every degree; a
+    weight every tensor-parallel rank holds whole counts once. Each rank writes the rows it holds into a vector
+    with a place for every row (and chunk) of every parameter, zeros elsewhere; one all-reduce adds them, every
+    place being written by exactly one rank, so that no order of that sum changes a bit (``x + 0 = x``)."""
+    split_dims, placement = split_dims or {}, placement or ChunkPlacement(1)
+    held = [(p.grad, split_dims.get(id(p))) for p in params if p.grad is not None]
+    sizes = [(g.shape[0] if g.dim() else 1) * (placement.chunks if dim == 1 else 1) for g, dim in held]
+    device = held[0][0].device if held else torch.device("cpu")
+    vector = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+    offset = 0
+    for (grad, dim), size in zip(held, sizes):
+        (split_rank, split_ranks), (shard_rank, shard_ranks) = _shards(grad)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
         rows = grad.shape[0] if grad.dim() else 1
-        chunk = _row_chunk(rows, world)
-        assert part.numel() == max(0, min(chunk, rows - rank * chunk)), "FSDP2 shards rows as torch.chunk"
-        padded.append(torch.nn.functional.pad(part, (0, chunk - part.numel())))
-    local = torch.cat(padded)
-    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
-    per_rank = gathered.view(world, -1)
+        whole_here = split_ranks == 1 and dim is None
+        if local.numel() and (not whole_here or placement.rank == 0):
+            split_rows = rows // split_ranks if dim == 0 else rows
+            start = shard_rank * _row_chunk(split_rows, shard_ranks) + (split_rank * split_rows if dim == 0 else 0)
+            if dim == 1:
+                held_chunks = placement.chunks // split_ranks
+                width = local.shape[1] // held_chunks
+                for index in range(held_chunks):
+                    squares = _row_squares(local[:, index * width:(index + 1) * width].contiguous())
+                    at = offset + (split_rank * held_chunks + index) * rows + start
+                    vector[at:at + squares.numel()] = squares
+            else:
+                squares = _row_squares(local)
+                vector[offset + start:offset + start + squares.numel()] = squares
+        offset += size
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(vector, group=group)
     parts, offset = [], 0
-    for grad in grads:
-        rows = grad.shape[0] if grad.dim() else 1
-        chunk = _row_chunk(rows, world)
-        parts.append(per_rank[:, offset : offset + chunk].reshape(-1)[:rows])
-        offset += chunk
+    for (grad, dim), size in zip(held, sizes):
+        part = vector[offset:offset + size]
+        parts.append(tree_sum(part.view(placement.chunks, -1).unbind(0)) if dim == 1 else part)
+        offset += size
     return parts
 
 
@@ -136,10 +170,10 @@ def norm_of(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts).sum().sqrt().float()
 
 
-def grad_norm(params: list[nn.Parameter], world: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def grad_norm(params: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of all gradients, the same bits at every process count: per-row float64 sums of squares in
     parameter-and-row order (:func:`row_squares`), summed by one kernel on that identical vector."""
-    return norm_of(row_squares(params, world, group))
+    return norm_of(row_squares(params, group))
 
 
 def clip_grads(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> torch.Tensor:
