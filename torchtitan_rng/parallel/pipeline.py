@@ -189,6 +189,13 @@ class PlanStage(PipelineStage):
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        # torch >= 2.15's stage turns on FSDP2's manual backward finalization at every forward, which defers the
+        # reduction of a group no backward hook reached (the root's, when the stage's inputs need no gradient)
+        # to the schedule's last action; finish it now. Older torch has no such mode (nor the method): its
+        # backward callback already reduced every group.
+        finalize = getattr(self.submod, "finalize_backward", None)
+        if finalize is not None:
+            finalize()
         self._backwards += 1
         if self._backwards < len(self._run.micro_batches):
             # The gradients are views of the exchanges' shards: FSDP2 must assign the next ones, not add them.
