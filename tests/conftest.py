@@ -15,9 +15,9 @@ TESTS = Path(__file__).resolve().parent
 
 # The files whose runs take longest (the launch record, docs/testing.md), started first so that the workers
 # end together; a file not named here keeps its place. A scheduling hint: a wrong one costs only time.
-START_FIRST = ("test_training_features.py", "test_torchtitan_plugin.py", "test_world_size_invariant.py",
-               "test_hf_stops.py", "test_lightning_stops.py", "test_integrations.py", "test_resume_flux.py",
-               "test_pipeline_invariant.py", "test_spikes.py", "test_diagnosis.py")
+START_FIRST = ("test_training_features.py", "test_torchtitan_plugin.py", "test_torchtitan_layouts.py",
+               "test_world_size_invariant.py", "test_hf_stops.py", "test_lightning_stops.py", "test_integrations.py",
+               "test_resume_flux.py", "test_pipeline_invariant.py", "test_spikes.py", "test_diagnosis.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker

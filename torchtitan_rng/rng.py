@@ -273,28 +273,34 @@ def fingerprint(value: Any) -> str:
     return hasher.hexdigest()
 
 
-# The streams a tensor-parallel group draws its dropout masks from: torch's CPU generator (DTensor's random ops on
-# a CPU mesh, and every op on a plain tensor there) and the accelerator's (which DTensor's random ops offset).
-# Equal on every rank of the group while its ranks draw alike; Python's and NumPy's streams draw no masks.
+# The streams a group of ranks that draw alike draws its dropout masks from: torch's CPU generator (DTensor's
+# random ops on a CPU mesh, and every op on a plain tensor there) and the accelerator's (which DTensor's random ops
+# offset). Equal on every rank of the group while its ranks draw alike; Python's and NumPy's streams draw no masks.
 MASK_STREAMS = ("torch_cpu", "device")
+# Each kind of group whose ranks must draw alike, and what ranks of it with different mask streams do.
+MASK_GROUPS = {"tensor-parallel": "a dropout in a region they replicate draws another mask on each rank",
+               "context-parallel": "the ranks draw their slices of one sequence's masks from different points",
+               "replicate (HSDP)": "the replicas no longer draw as each other"}
 
 
-def tensor_parallel_mismatch(step: int, ranks: list[int], streams: list[dict[str, str]]) -> str | None:
-    """The WARNING line when the ranks of one tensor-parallel group (``ranks``, with the fingerprints of their
-    ``MASK_STREAMS``) hold different mask streams at a save; None when they are the same."""
+def mask_group_mismatch(step: int, ranks: list[int], streams: list[dict[str, str]],
+                        group: str = "tensor-parallel") -> str | None:
+    """The WARNING line when the ranks of one ``group`` (a kind of ``MASK_GROUPS``; ``ranks``, with the
+    fingerprints of their ``MASK_STREAMS``) hold different mask streams at a save; None when they are the same."""
     differing = [name for name in MASK_STREAMS if len({rank_streams[name] for rank_streams in streams}) > 1]
     if not differing:
         return None
     holders = "; ".join(f"rank {rank}: " + ", ".join(rank_streams[name] for name in differing)
                         for rank, rank_streams in zip(ranks, streams))
-    return (f"at step {step} the ranks of a tensor-parallel group hold different "
-            f"{' and '.join(differing)} random streams ({holders}): a dropout in a region they replicate draws "
-            "another mask on each rank; each rank's streams are saved as they are, so the resume stays exact")
+    return (f"at step {step} the ranks of a {group} group hold different {' and '.join(differing)} random streams "
+            f"({holders}): {MASK_GROUPS[group]}; each rank's streams are saved as they are, so the resume stays "
+            "exact")
 
 
-def group_mask_streams(step: int, group: Any, device: torch.device) -> tuple[list[int], str | None]:
-    """Every rank of the tensor-parallel ``group`` (a collective): the group's ranks and
-    :func:`tensor_parallel_mismatch`'s line for their mask streams as they stand now."""
+def group_mask_streams(step: int, group: Any, device: torch.device,
+                       kind: str = "tensor-parallel") -> tuple[list[int], str | None]:
+    """Every rank of ``group``, a group of the ``kind`` (of ``MASK_GROUPS``) (a collective): the group's ranks and
+    :func:`mask_group_mismatch`'s line for their mask streams as they stand now."""
     import torch.distributed as dist
 
     state = capture_global_rng(device)
@@ -302,4 +308,4 @@ def group_mask_streams(step: int, group: Any, device: torch.device) -> tuple[lis
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
-    return ranks, tensor_parallel_mismatch(step, ranks, gathered)
+    return ranks, mask_group_mismatch(step, ranks, gathered, kind)

@@ -57,14 +57,15 @@ def _record(signum: int, frame: FrameType | None) -> None:
     _received.append(signal.Signals(signum).name)
 
 
-def signal_numbers(names: list[str] | tuple[str, ...]) -> list[int]:
-    """The signals for ``signals.checkpoint_on``; ConfigError naming a bad one."""
+def signal_numbers(names: list[str] | tuple[str, ...], where: str = "config signals.checkpoint_on") -> list[int]:
+    """The signals for ``signals.checkpoint_on``; ConfigError naming a bad one (``where``: the setting that
+    lists them, as the user wrote it)."""
     numbers = []
     for name in names:
         number = getattr(signal, name, None)
         if not isinstance(number, signal.Signals) or name in _UNHANDLEABLE:
             raise ConfigError(
-                f"config signals.checkpoint_on has {name!r}: not a signal a run can checkpoint on; "
+                f"{where} has {name!r}: not a signal a run can checkpoint on; "
                 "use names like SIGTERM, SIGUSR1, SIGUSR2 (SIGKILL and SIGSTOP cannot be caught)"
             )
         numbers.append(int(number))

@@ -1,12 +1,12 @@
-"""Two tiny torchtitan 0.3 configs that train in seconds on a CPU, as torchtitan's config registry functions:
-``--module tiny_configs --config tiny_llama`` (or ``tiny_flux``), found here because ``train.py``'s folder is
-first on the path. Their files are those ``write_assets.py`` writes (by default under ``ASSETS``, relative to
-the directory you run from; torchtitan's own ``--hf_assets_path``, ``--dataloader.dataset_path`` and the Flux
-tokenizer and encoder flags point elsewhere).
+"""Tiny torchtitan 0.3 configs that train in seconds on a CPU, as torchtitan's config registry functions:
+``--module tiny_configs --config tiny_llama`` (or ``tiny_flux``, or ``tiny_qwen3_moe``, an MoE model for expert
+parallelism), found here because ``train.py``'s folder is first on the path. Their files are those
+``write_assets.py`` writes (by default under ``ASSETS``, relative to the directory you run from; torchtitan's own
+``--hf_assets_path``, ``--dataloader.dataset_path`` and the Flux tokenizer and encoder flags point elsewhere).
 
-Both keep torchtitan's randomness and add some where a CPU run would have none: the llama's attention drops out,
-and Flux draws its noise, timesteps, random crop and caption dropout as torchtitan does, so that a resume that
-lost the random streams shows in the losses.
+Each keeps torchtitan's randomness and adds some where a CPU run would have none: the llama's and the MoE model's
+attention drops out, and Flux draws its noise, timesteps, random crop and caption dropout as torchtitan does, so
+that a resume that lost the random streams shows in the losses.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ def _dropping_attention() -> type:
                     **kwargs: Any) -> torch.Tensor:
             from torch.nn.attention.flex_attention import create_mask
 
-            batch, length = q_BLNH.shape[0], q_BLNH.shape[1]
-            mask = create_mask(attention_masks.mask_mod, batch, None, length, length, device=q_BLNH.device)
+            # Under context parallelism q is this rank's slice and k, v the whole sequence (torchtitan gathers
+            # them); the sharded block mask's mask_mod maps the slice's rows to their places in it.
+            batch, q_length, kv_length = q_BLNH.shape[0], q_BLNH.shape[1], k_BLNH.shape[1]
+            mask = create_mask(attention_masks.mask_mod, batch, None, q_length, kv_length, device=q_BLNH.device)
             out = F.scaled_dot_product_attention(
                 q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2), attn_mask=mask,
                 dropout_p=self.dropout_p if self.training else 0.0, scale=scale, enable_gqa=enable_gqa)
@@ -84,6 +86,41 @@ def tiny_llama() -> Any:
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
         layers=layers)
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
+    config.hf_assets_path = f"{ASSETS}/tokenizer"
+    config.dataloader.dataset_path = f"{ASSETS}/text"
+    config.validator.enable = False  # --validator.enable validates on the same text
+    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", f"{ASSETS}/text"
+    config.training.seq_len = 64
+    config.training.local_batch_size = 2
+    _cpu_layout(config)
+    return config
+
+
+def tiny_qwen3_moe() -> Any:
+    """torchtitan's qwen3 MoE debug config (``qwen3_moe_debug``), shrunk as ``tiny_llama`` is: 2 MoE layers of
+    width 64 with 8 experts (top 2; expert-parallel degrees up to 8 divide them), sequences of 64 tokens, batches
+    of 2, and the same attention that drops out. Routing, the experts' grouped matmuls (``torch._grouped_mm``,
+    fp32 on the CPU) and the load-balancing hook are torchtitan's own; pass ``--training.disable_cuda_graphs``."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = qwen3_moe_debug()
+    dim, head_dim = 64, 16
+    layers = _build_qwen3_moe_layers(
+        n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=64, num_experts=8,
+        top_k=2, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=256, theta=1000000.0))
+    attention = _dropping_attention()
+    for layer in layers:
+        layer.attention.inner_attention = attention.Config(dropout_p=ATTENTION_DROPOUT)
+    model = config.model_spec.model
+    model.vocab_size, model.dim, model.layers = VOCAB, dim, layers
+    model.norm = _qwen3_norm(dim)
+    model.tok_embeddings = Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT)
+    model.lm_head = Linear.Config(in_features=dim, out_features=VOCAB, param_init=_LINEAR_INIT)
     config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
     config.hf_assets_path = f"{ASSETS}/tokenizer"
     config.dataloader.dataset_path = f"{ASSETS}/text"

@@ -1,6 +1,7 @@
 """The torchtitan plug-in (``--override.imports torchtitan_rng.integrations.torchtitan.exact_resume``) with the
 real torchtitan 0.3 wheel: 2 processes on the CPU (gloo, FSDP2), a 2-layer llama with attention dropout, and a
-tiny Flux (at the end of the file).
+tiny Flux (at the end of the file). The 2-D, context- and expert-parallel layouts (4 processes): the slow tier's
+tests/e2e/test_torchtitan_layouts.py.
 
 Every run trains the same 4 steps (or part of them); the losses are torchtitan's own float32 global average
 loss, compared bit for bit by ``compare_losses``: the plug-in's runs write ``loss_log.jsonl`` themselves (equal
@@ -21,6 +22,9 @@ TensorBoard events are converted into a loss log here:
   a full checkpoint at the agreed step and exits 0; 1F1B) and tensor parallel 2: resumed == uninterrupted; stock
   torchtitan resuming the same checkpoint differs; under tensor parallelism the ranks' mask streams are equal
   at every save, as the plug-in's check says;
+* (slow tier) without ``--debug.seed`` (torchtitan seeds at random) rank 0 names the run in one WARNING line,
+  and two such runs differ from step 1; a bad option (a string where a list of signals goes) is one line from
+  rank 0 and exit 2, no rank's traceback;
 * the plug-in's runs validate at steps 1, 2 and 4, and validation's loader draws from the global generator;
   the streams saved at step 2 are those before that step's validation, so the resumes above are exact (and
   equal stock's unvalidated losses up to the stop) only because validation moves no training stream (the
@@ -44,147 +48,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import signal
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.checks import assert_same_tensors, load_checkpoint
-from tests.support.launch import REPO, compare, launch, run_env, together
-from torchtitan_rng.compare_losses import Comparison, compare_records
+from tests.support.integrations.torchtitan_launch import (EXAMPLE, PLUGIN, PRELOAD, assets, compare_dumps,  # noqa: F401
+                                                          copy_checkpoint, first_difference, titan_command,
+                                                          plugin_flags, signalled_run, stock_loss_log, stop_step,
+                                                          tensorboard_losses, titan_env, train_titan)
+from tests.support.launch import compare, launch, together
 from torchtitan_rng.loss_log import read_loss_log
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
 
-EXAMPLE = REPO / "examples" / "torchtitan_cpu"
-# The runs' warm server imports the example's train.py as a module (the CPU adjustments, then torchtitan) and
-# torchtitan's Flux trainer once, not each rank of each run (tests/support/launch.py). One server for the whole
-# file: every run has the same start-up environment (one HF_HOME).
-PRELOAD = (str(EXAMPLE / "train.py"), "torchtitan.models.flux.trainer")
-PLUGIN = "torchtitan_rng.integrations.torchtitan.exact_resume"
 STEPS, STOP = 4, 2
 STREAMS_WARNING = "WARNING - torchtitan_rng: checkpoint"  # torchtitan's log format: "... - WARNING - message"
-
-
-def _command(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(EXAMPLE / "train.py"), "--module", "tiny_configs", "--config", "tiny_llama",
-            "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "text"),
-            "--dump_folder", str(dump), "--lr_scheduler.decay_ratio", "0", "--debug.seed", "7", "--checkpoint.enable",
-            "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "--metrics.log_freq", "1",
-            "--training.steps", str(steps), *extra]
-
-
-def _plugin(assets: Path, **options: str) -> tuple[str, ...]:
-    """The plug-in, and validation at steps 1, 2 and 4 (each builds a loader whose iter() draws from the global
-    generator). Stock runs do not validate: stock validation moves the training streams, so a stock run that
-    validates differs from the plug-in's runs from step 2 on, stopped or not."""
-    target = PLUGIN + (f"={json.dumps(options)}" if options else "")
-    return ("--override.imports", target, "--validator.enable", "--validator.freq", "2", "--validator.steps", "1",
-            "--validator.dataloader.dataset", "c4_test", "--validator.dataloader.dataset_path", str(assets / "text"))
-
-
-def _env(hf_home: Path) -> dict[str, str]:
-    # train.py's folder is first on the ranks' sys.path: --module tiny_configs is found there.
-    return run_env({"HF_HOME": str(hf_home), "HF_DATASETS_OFFLINE": "1"})
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the runs read, written by the example's write_assets.py (``tokenizer/``, ``text/``, and Flux's
-    ``t5_encoder/``, ``clip_encoder/``, ``images/``), and the Hugging Face cache of every run of the file
-    (``hf_home/``: one start-up environment, one warm server)."""
-    root = tmp_path_factory.mktemp("torchtitan_assets")
-    proc = launch([sys.executable, str(EXAMPLE / "write_assets.py"), str(root)], env=_env(root / "hf_home"),
-                  preload=PRELOAD)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return root
-
-
-def _compare(a: Path, b: Path) -> Comparison:
-    """The loss logs of two dump folders compared bit for bit, as ``compare_losses`` compares them."""
-    return compare_records(read_loss_log(a), read_loss_log(b))
-
-
-def _train(assets: Path, dump: Path, steps: int, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    proc = launch(_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets / "hf_home"),
-                  timeout=400, processes=nproc, preload=PRELOAD)
-    (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
-    if not any(arg.startswith(PLUGIN) for arg in extra):
-        _stock_loss_log(dump)
-    return proc
-
-
-def _tensorboard_losses(dump: Path) -> dict[int, float]:
-    """torchtitan's logged losses (TensorBoard scalars, float32); a step logged by a later run (after a resume)
-    counts with its later value."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    losses: dict[int, float] = {}
-    for events in sorted((dump / "tb").rglob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(events)).Load():
-            for value in event.summary.value:
-                if value.tag.endswith("global_avg_loss"):
-                    losses[event.step] = value.tensor.float_val[0] if value.tensor.float_val else value.simple_value
-    return losses
-
-
-def _stock_loss_log(dump: Path) -> None:
-    """A stock run's losses (it has no plug-in to write them) as this project's loss log, from TensorBoard,
-    after the lines of the steps it did not train (those copied with the checkpoint it resumed)."""
-    board = _tensorboard_losses(dump)
-    log = dump / "loss_log.jsonl"
-    before = [line for line in (log.read_text().splitlines() if log.is_file() else [])
-              if json.loads(line)["step"] not in board]
-    log.write_text("".join(line + "\n" for line in before) + "".join(
-        json.dumps({"step": step, "loss": loss, "lr": 0.0}) + "\n" for step, loss in sorted(board.items())))
-
-
-def _copy_checkpoint(source: Path, dump: Path, step: int) -> None:
-    """A new run folder holding only ``source``'s checkpoint at ``step`` and its loss log's lines up to it (not
-    its TensorBoard events, which may go further: the new run's events are its own steps)."""
-    shutil.copytree(source / "checkpoint" / f"step-{step}", dump / "checkpoint" / f"step-{step}")
-    lines = (source / "loss_log.jsonl").read_text().splitlines()
-    (dump / "loss_log.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
-
-
-def _rank_pids(torchrun: subprocess.Popen) -> list[int]:
-    """The training processes torchrun started (its children), waiting until both exist."""
-    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children")
-    while True:
-        pids = [int(pid) for pid in children.read_text().split()]
-        if len(pids) == 2 or torchrun.poll() is not None:
-            return pids
-        time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
-
-
-def _signalled_run(assets: Path, dump: Path, *extra: str) -> subprocess.CompletedProcess:
-    """The plug-in run to 4 steps (with ``extra``), SIGTERM to one rank as soon as training starts."""
-    out = dump.parent / f"{dump.name}.out"
-    with out.open("w") as sink:
-        proc = subprocess.Popen(_command(assets, dump, STEPS, *_plugin(assets), *extra), cwd=REPO,
-                                stdout=sink, stderr=subprocess.STDOUT, text=True, env=_env(assets / "hf_home"))
-        try:
-            while "Training starts at step 1" not in out.read_text():
-                assert proc.poll() is None, f"the run ended before training started\n{out.read_text()[-4000:]}"
-                time.sleep(0.01)  # polling interval of the watch, not a synchronisation delay
-            pids = _rank_pids(proc)
-            assert len(pids) == 2, f"torchrun has children {pids}"
-            os.kill(pids[-1], signal.SIGTERM)  # one rank only: the ranks must agree on the stop
-            proc.wait(timeout=400)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = out.read_text()
-    assert proc.returncode == 0, f"the signalled run exited {proc.returncode}\n{text[-5000:]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, text, "")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +80,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Pa
     root = tmp_path_factory.mktemp("torchtitan")
     names = ("full", "stopped", "stock", "at_load", "stock_ckpt", "plugin_ckpt", "fewer", "more")
     dumps = {name: root / name for name in names}
-    plugin, at_load = _plugin(assets), _plugin(assets, restore_streams_at="load")
+    plugin, at_load = plugin_flags(assets), plugin_flags(assets, restore_streams_at="load")
     outputs: dict[str, str] = {}
 
     def keep(name: str, proc: subprocess.CompletedProcess) -> None:
@@ -208,26 +91,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Pa
         # torchtitan's dataloader refuses another dp degree (an assertion), so its state is not loaded: the
         # documented way to change the process count.
         other = (*plugin, "--checkpoint.exclude_from_loading", "dataloader")
-        keep("fewer", _train(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
-        _copy_checkpoint(dumps["fewer"], dumps["more"], STOP + 1)
-        keep("more", _train(assets, dumps["more"], STEPS, *other))
+        keep("fewer", train_titan(assets, dumps["fewer"], STOP + 1, *other, nproc=1))
+        copy_checkpoint(dumps["fewer"], dumps["more"], STOP + 1)
+        keep("more", train_titan(assets, dumps["more"], STEPS, *other))
 
     def stopped_and_resumed() -> None:
-        _train(assets, dumps["stopped"], STOP, *plugin)
+        train_titan(assets, dumps["stopped"], STOP, *plugin)
         for name in ("at_load", "plugin_ckpt", "fewer"):
-            _copy_checkpoint(dumps["stopped"], dumps[name], STOP)
-        together(lambda: keep("stopped", _train(assets, dumps["stopped"], STEPS, *plugin)),
+            copy_checkpoint(dumps["stopped"], dumps[name], STOP)
+        together(lambda: keep("stopped", train_titan(assets, dumps["stopped"], STEPS, *plugin)),
                  # gc_freq changes no loss but is not a quiet key: the resume names it (the run-record check).
-                 lambda: keep("at_load", _train(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
+                 lambda: keep("at_load", train_titan(assets, dumps["at_load"], STEPS, *at_load, "--training.gc_freq",
                                                 "49")),
-                 lambda: keep("plugin_ckpt", _train(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
+                 lambda: keep("plugin_ckpt", train_titan(assets, dumps["plugin_ckpt"], STEPS)), other_process_counts)
 
     def stock() -> None:
-        _train(assets, dumps["stock"], STOP)
-        _copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
-        keep("stock_ckpt", _train(assets, dumps["stock_ckpt"], STEPS, *plugin))
+        train_titan(assets, dumps["stock"], STOP)
+        copy_checkpoint(dumps["stock"], dumps["stock_ckpt"], STOP)
+        keep("stock_ckpt", train_titan(assets, dumps["stock_ckpt"], STEPS, *plugin))
 
-    together(lambda: _train(assets, dumps["full"], STEPS, *plugin), stopped_and_resumed, stock)
+    together(lambda: train_titan(assets, dumps["full"], STEPS, *plugin), stopped_and_resumed, stock)
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
 
@@ -236,13 +119,8 @@ def _outputs(runs: dict[str, Path]) -> dict[str, str]:
     return json.loads((runs["full"].parent / "outputs.json").read_text())
 
 
-def _first_difference(result: Comparison) -> int | None:
-    """The first step whose losses differ, None where the logs agree (or differ only in which steps they hold)."""
-    return result.first_step if result.loss_differs else None
-
-
 def test_stopped_at_end_of_steps_and_resumed_is_bitwise(runs: dict[str, Path]) -> None:
-    result = _compare(runs["full"], runs["stopped"])
+    result = compare_dumps(runs["full"], runs["stopped"])
     assert result.equal, result.message
 
 
@@ -254,13 +132,13 @@ def test_plugin_loss_log_is_torchtitans_float32_loss_bit_for_bit(runs: dict[str,
         # One writer (rank 0 here), each step once: the resumed runs append only the steps they train (at_load's
         # folder started with the stopped run's lines up to the stop, its TensorBoard events with the resume).
         assert [line["step"] for line in lines] == list(range(1, STEPS + 1)), f"{name}: {lines}"
-        logged, board = read_loss_log(runs[name]), _tensorboard_losses(runs[name])
+        logged, board = read_loss_log(runs[name]), tensorboard_losses(runs[name])
         trained = list(range(STOP + 1 if name == "at_load" else 1, STEPS + 1))
         assert sorted(board) == trained, (name, board)
         assert all(same_bits(logged[step]["loss"], board[step]) for step in board), (name, logged, board)
         assert all(logged[step]["lr"] > 0 and logged[step]["grad_norm"] > 0 for step in logged), logged
     # The comparison above catches a loss that is not torchtitan's: the restore-at-load run's differs.
-    assert not same_bits(read_loss_log(runs["at_load"])[STOP + 1]["loss"], _tensorboard_losses(runs["full"])[STOP + 1])
+    assert not same_bits(read_loss_log(runs["at_load"])[STOP + 1]["loss"], tensorboard_losses(runs["full"])[STOP + 1])
 
 
 def test_compare_losses_plots_torchtitan_dump_folders(runs: dict[str, Path]) -> None:
@@ -282,8 +160,8 @@ def test_controls_stock_and_restore_before_iter_differ(runs: dict[str, Path]) ->
     # Stock torchtitan resuming the plug-in's checkpoint (it ignores the streams: they start where torchtitan
     # seeds them), and the plug-in restoring them before iter(dataloader): both differ from the first resumed step.
     for control in ("plugin_ckpt", "at_load"):
-        result = _compare(runs["full"], runs[control])
-        assert _first_difference(result) == STOP + 1, f"{control}: {result.message}"
+        result = compare_dumps(runs["full"], runs[control])
+        assert first_difference(result) == STOP + 1, f"{control}: {result.message}"
 
 
 def test_changed_config_key_is_named_on_resume(runs: dict[str, Path]) -> None:
@@ -382,6 +260,50 @@ def test_plugin_checkpoint_resumes_in_stock_torchtitan(runs: dict[str, Path], tm
         assert_same_tensors(stock, {key: later[key] for key in stock})
 
 
+@pytest.fixture(scope="module")
+def unseeded_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:
+    """Two plug-in runs of one step without ``--debug.seed`` (2 processes): torchtitan seeds each at random."""
+    root = tmp_path_factory.mktemp("torchtitan_unseeded")
+    dumps = {name: root / name for name in ("first", "second")}
+    together(*(lambda dump=dump: train_titan(assets, dump, 1, "--override.imports", PLUGIN, seed=None)
+               for dump in dumps.values()))
+    return dumps
+
+
+@pytest.mark.slow  # two launches as new interpreters (about 45 s of runs on 2 cores)
+def test_an_unseeded_run_is_named_and_cannot_be_compared(unseeded_runs: dict[str, Path]) -> None:
+    from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
+
+    for dump in unseeded_runs.values():
+        out = (dump.parent / f"{dump.name}.out").read_text()
+        warnings = [line for line in out.splitlines() if "WARNING - torchtitan_rng" in line]
+        assert len(warnings) == 1 and warnings[0].endswith(str(unseeded_run(None))), warnings
+    # What the line says: two runs of the same command differ from step 1. (Its control, a seeded run saying
+    # nothing: test_changed_config_key_is_named_on_resume's stopped run, seeded, has no torchtitan_rng WARNING.)
+    result = compare_dumps(unseeded_runs["first"], unseeded_runs["second"])
+    assert first_difference(result) == 1, result.message
+
+
+@pytest.mark.slow  # the message and the exit are unit-tested (tests/unit/test_torchtitan_options.py)
+def test_a_bad_option_is_one_line_from_rank_0_and_exit_2(assets: Path, tmp_path: Path) -> None:
+    # A string where the option takes a list (it used to be read letter by letter, as the signal 'S').
+    bad = PLUGIN + '={"signals": "SIGTERM"}'
+    proc = launch(titan_command(assets, tmp_path / "bad", 1, "--override.imports", bad),
+                  env=titan_env(assets / "hf_home"), timeout=400, processes=2, preload=PRELOAD)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if "torchtitan_rng:" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        'ERROR - torchtitan_rng: exact_resume option "signals" is "SIGTERM", not a list of signal names: write it '
+        'as {"signals": ["SIGTERM", "SIGUSR1"]}'), lines
+    # The ranks exited 2 (torchrun ends the others with SIGTERM once one has exited), before building anything,
+    # without a traceback: the one traceback is torchrun's own report of failed ranks (ChildFailedError, whatever
+    # made them fail; the stock command has no other launcher).
+    codes = re.findall(r"exitcode  : (-?\d+)", out)
+    assert "2" in codes and set(codes) <= {"2", "-15"} and "Building llama3" not in out, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in out, out[-5000:]
+
+
 # Pipeline and tensor parallelism on 2 processes (no data parallelism): the plug-in uninterrupted and resumed,
 # and the control, stock torchtitan resuming the plug-in's checkpoint (it ignores the streams). torch 2.13 runs
 # torchtitan's pre-split pipeline step through the plug-in's stand-in (provide_presplit_step).
@@ -406,32 +328,22 @@ def parallel_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dic
         # Saving asynchronously: the stop's checkpoint goes through torchtitan's async save (a save at the
         # last step of --training.steps is always synchronous).
         extra = (*LAYOUTS[layout], "--checkpoint.async_mode", "async")
-        outputs[layout] = _signalled_run(assets, dumps[f"{layout}_stopped"], *extra).stdout
-        _train(assets, dumps[f"{layout}_stopped"], STEPS, *_plugin(assets), *extra)
+        outputs[layout] = signalled_run(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra).stdout
+        train_titan(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)
 
     def full_and_resumed(layout: str) -> None:
         extra, full = LAYOUTS[layout], dumps[f"{layout}_full"]
-        _train(assets, full, STEPS, *_plugin(assets), *extra)
+        train_titan(assets, full, STEPS, *plugin_flags(assets), *extra)
         resumes = ("stock",) if layout == SIGNALLED else ("stock", "stopped")
         for run in resumes:
-            _copy_checkpoint(full, dumps[f"{layout}_{run}"], STOP)
-        together(lambda: _train(assets, dumps[f"{layout}_stock"], STEPS, *extra),
+            copy_checkpoint(full, dumps[f"{layout}_{run}"], STOP)
+        together(lambda: train_titan(assets, dumps[f"{layout}_stock"], STEPS, *extra),
                  *([] if layout == SIGNALLED else
-                   [lambda: _train(assets, dumps[f"{layout}_stopped"], STEPS, *_plugin(assets), *extra)]))
+                   [lambda: train_titan(assets, dumps[f"{layout}_stopped"], STEPS, *plugin_flags(assets), *extra)]))
 
     together(lambda: signalled(SIGNALLED), *(lambda layout=layout: full_and_resumed(layout) for layout in LAYOUTS))
     (root / "outputs.json").write_text(json.dumps(outputs))
     return dumps
-
-
-def _stop_step(out: str) -> int:
-    """The step every rank of a signalled run saved at and stopped (each reports it once)."""
-    stops = [line for line in out.splitlines() if "stop signal: saved a full checkpoint at step" in line]
-    assert len(stops) == 2, f"every rank reports one stop\n{out[-4000:]}"
-    step = int(stops[0].split("at step ")[1].split(";")[0])
-    assert all(f"at step {step};" in line for line in stops), stops
-    assert step < STEPS, f"the run stopped at its last step {step}: the signal was not heeded"
-    return step
 
 
 def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(parallel_runs: dict[str, Path]) -> None:
@@ -441,26 +353,26 @@ def test_sigterm_saves_full_checkpoint_at_agreed_step_and_resume_is_bitwise(para
     # (asynchronously) and exited 0; the resume from it is bitwise (the next test checks the losses too).
     outputs = json.loads((parallel_runs["tp_full"].parent / "outputs.json").read_text())
     stopped = parallel_runs[f"{SIGNALLED}_stopped"]
-    step = _stop_step(outputs[SIGNALLED])
+    step = stop_step(outputs[SIGNALLED], 2, STEPS)
     keys = set(SafeFileSystemReader(stopped / "checkpoint" / f"step-{step}").read_metadata().state_dict_metadata)
     assert {"torchtitan_rng.rank_0", "torchtitan_rng.rank_1"} <= keys
     assert any(key.startswith("optimizer.") for key in keys), "the signal's checkpoint holds no optimizer state"
     assert f"Training starts at step {step + 1}" in (stopped.parent / f"{stopped.name}.out").read_text()
-    result = _compare(parallel_runs[f"{SIGNALLED}_full"], stopped)
+    result = compare_dumps(parallel_runs[f"{SIGNALLED}_full"], stopped)
     assert result.equal, result.message
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_and_tensor_parallel_stopped_and_resumed_are_bitwise(parallel_runs: dict[str, Path],
                                                                       layout: str) -> None:
-    result = _compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stopped"])
+    result = compare_dumps(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stopped"])
     assert result.equal, result.message
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_and_tensor_parallel_stock_resume_differs(parallel_runs: dict[str, Path], layout: str) -> None:
-    result = _compare(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
-    assert _first_difference(result) == STOP + 1, result.message
+    result = compare_dumps(parallel_runs[f"{layout}_full"], parallel_runs[f"{layout}_stock"])
+    assert first_difference(result) == STOP + 1, result.message
 
 
 def test_tensor_parallel_ranks_hold_equal_mask_streams_at_every_save(parallel_runs: dict[str, Path],
@@ -491,7 +403,7 @@ def test_pipeline_loss_log_is_written_by_the_last_stage(parallel_runs: dict[str,
     # Under pipeline parallelism only the last stage's rank has the loss (torchtitan logs -1.0 on the others):
     # the loss log holds that rank's losses, equal bit for bit to torchtitan's TensorBoard scalars.
     for layout in ("interleaved", "1f1b"):
-        logged, board = read_loss_log(parallel_runs[f"{layout}_full"]), _tensorboard_losses(
+        logged, board = read_loss_log(parallel_runs[f"{layout}_full"]), tensorboard_losses(
             parallel_runs[f"{layout}_full"])
         assert sorted(logged) == sorted(board) == list(range(1, STEPS + 1)), (logged, board)
         assert all(same_bits(logged[step]["loss"], board[step]) and board[step] > 0 for step in board), layout
@@ -517,12 +429,12 @@ def _flux_command(assets: dict[str, Path], dump: Path, steps: int, *extra: str, 
 
 
 def _flux_train(assets: dict[str, Path], dump: Path, steps: int, *extra: str, nproc: int = 2) -> str:
-    proc = launch(_flux_command(assets, dump, steps, *extra, nproc=nproc), env=_env(assets["hf_home"]), timeout=400,
-                  processes=nproc, preload=PRELOAD)
+    proc = launch(_flux_command(assets, dump, steps, *extra, nproc=nproc), env=titan_env(assets["hf_home"]),
+                  timeout=400, processes=nproc, preload=PRELOAD)
     (dump.parent / f"{dump.name}.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{dump.name} exited {proc.returncode}\n{proc.stderr[-5000:]}"
     if not any(arg.startswith(PLUGIN) for arg in extra):
-        _stock_loss_log(dump)
+        stock_loss_log(dump)
     return proc.stdout + proc.stderr
 
 
@@ -552,14 +464,14 @@ def flux_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[st
     def full_and_resumed() -> None:
         outputs["full"] = _flux_train(flux, dumps["full"], FLUX_STEPS, *plugin)
         for name in ("stopped", "stock"):
-            _copy_checkpoint(dumps["full"], dumps[name], FLUX_STOP)
+            copy_checkpoint(dumps["full"], dumps[name], FLUX_STOP)
         together(lambda: outputs.setdefault("stopped", _flux_train(flux, dumps["stopped"], FLUX_STEPS, *plugin)),
                  lambda: _flux_train(flux, dumps["stock"], FLUX_STEPS, "--metrics.enable_tensorboard"))
 
     def workers_full_and_resumed() -> None:
         outputs["workers_full"] = _flux_train(flux, dumps["workers_full"], FLUX_STEPS, *workers, nproc=1)
         for name in ("workers_stopped", "workers_off"):
-            _copy_checkpoint(dumps["workers_full"], dumps[name], FLUX_STOP)
+            copy_checkpoint(dumps["workers_full"], dumps[name], FLUX_STOP)
         together(lambda: _flux_train(flux, dumps["workers_stopped"], FLUX_STEPS, *workers, nproc=1),
                  lambda: outputs.setdefault("workers_off", _flux_train(flux, dumps["workers_off"], FLUX_STEPS,
                                                                        *workers_off, nproc=1)))
@@ -580,24 +492,24 @@ def test_flux_stopped_and_resumed_is_bitwise_with_validation(flux_runs: dict[str
     assert all(f"validate step: {step:2}" in outputs["full"] for step in (1, FLUX_STOP, FLUX_STEPS))
     assert f"validate step: {FLUX_STEPS:2}" in outputs["stopped"]
     assert f"Training starts at step {FLUX_STOP + 1}" in outputs["stopped"], outputs["stopped"][-3000:]
-    result = _compare(flux_runs["full"], flux_runs["stopped"])
+    result = compare_dumps(flux_runs["full"], flux_runs["stopped"])
     assert result.equal, result.message
 
 
 def test_flux_stock_control_differs_from_the_first_resumed_step(flux_runs: dict[str, Path]) -> None:
-    result = _compare(flux_runs["full"], flux_runs["stock"])
-    assert _first_difference(result) == FLUX_STOP + 1, result.message
+    result = compare_dumps(flux_runs["full"], flux_runs["stock"])
+    assert first_difference(result) == FLUX_STOP + 1, result.message
 
 
 def test_flux_with_a_loader_worker_stopped_and_resumed_is_bitwise(flux_runs: dict[str, Path]) -> None:
-    result = _compare(flux_runs["workers_full"], flux_runs["workers_stopped"])
+    result = compare_dumps(flux_runs["workers_full"], flux_runs["workers_stopped"])
     assert result.equal, result.message
     assert "WARNING - torchtitan_rng" not in _flux_outputs(flux_runs)["workers_full"]
 
 
 def test_flux_worker_control_restarted_worker_streams_differ_and_are_named(flux_runs: dict[str, Path]) -> None:
-    result = _compare(flux_runs["workers_full"], flux_runs["workers_off"])
-    assert _first_difference(result) == FLUX_STOP + 1, result.message
+    result = compare_dumps(flux_runs["workers_full"], flux_runs["workers_off"])
+    assert first_difference(result) == FLUX_STOP + 1, result.message
     warnings = [line for line in _flux_outputs(flux_runs)["workers_off"].splitlines()
                 if "WARNING - torchtitan_rng" in line]
     assert len(warnings) == 1 and "the dataloader runs 1 worker and worker_streams is off" in warnings[0], warnings

@@ -75,23 +75,25 @@ def train(dump: Path, *overrides: str, nproc: int = 1, config: str | Path = "lla
 
 
 def launch(command: list[str], *, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float | None = 600,
-           processes: int = 1, preload: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+           processes: int = 1, preload: tuple[str, ...] = (), warm: bool = True) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` for a command that runs to its end: it
     waits for ``processes`` free cores (cores.py), and a Python command (or the one run_train.sh runs) is
     forked from the warm server where that changes nothing the process could see (zygote.py); ``preload``
     names what that server imports beyond torch and this package (an integration's framework, or a script
     whose module runs its imports: ``.../torchtitan_run.py``), for the command and the processes it starts.
     ``TORCHTITAN_RNG_LAUNCH_RECORD`` names a file that gets a line per launch: test, worker, processes,
-    seconds waiting for cores, seconds running, warm or not, exit status."""
+    seconds waiting for cores, seconds running, warm or not, exit status. ``warm=False``: new interpreters, for a
+    run whose start-up randomness is under test (a forked process starts with the server's generator states,
+    where a new interpreter seeds torch's and Python's at random)."""
     env = run_env() if env is None else env
     asked = time.monotonic()
     with cores.held(processes):
         started = time.monotonic()
         relay = None
-        if command[0] != sys.executable and env.get("PYTHON") == sys.executable:  # run_train.sh's interpreter
+        if warm and command[0] != sys.executable and env.get("PYTHON") == sys.executable:  # run_train.sh's
             relay = zygote.relay_for(env, preload)
             env = {**env, "PYTHON": relay or sys.executable}
-        proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout, preload=preload)
+        proc = zygote.run(command, env=env, cwd=cwd, timeout=timeout, preload=preload) if warm else None
         warm = proc is not None or relay is not None
         if proc is None:
             proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

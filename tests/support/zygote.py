@@ -24,14 +24,15 @@ its parent (torchrun's SIGKILL, a killed launcher), and the server then kills it
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
-import atexit
 import gc
 import importlib
 import io
 import json
 import os
+import random
 import runpy
 import select
 import signal
@@ -253,6 +254,10 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
     # The heap the server froze is collected at shutdown as a new process's would be (registered first, so it
     # runs after the run's own exit handlers): otherwise triton 3.9's bindings report its objects as leaks.
     atexit.register(gc.unfreeze)
+    # A new interpreter seeds Python's and NumPy's global generators from the OS: a fork would share the server's.
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     # Python runs the module or script as __main__ itself, which lives until the interpreter shuts down.
     main = sys.modules["__main__"] = types.ModuleType("__main__")
     if script:

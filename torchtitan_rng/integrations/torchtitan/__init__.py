@@ -24,8 +24,9 @@ torchtitan applies the override before it builds its components: the run's ``Che
 * the run record of this project (``run.json``: every resolved config key and the versions) in every
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
   WARNING line (torchtitan's own workflows change keys on purpose, so nothing is refused) (``drift``);
-* at each save under tensor parallelism, a check that the ranks of each tensor-parallel group hold the same
-  mask streams (``rng.group_mask_streams``), named in a WARNING line when they do not;
+* at each save, a check that the ranks of each group that must draw the same masks (tensor parallel, context
+  parallel, HSDP's replicate dimension) hold the same mask streams (``mask_groups``), named in a WARNING line
+  when they do not;
 * another process count or layout at a resume: the checkpoint's run record holds the layout it was saved
   with (process count and parallel degrees); rank 0 names both in one WARNING line with the rule each rank's
   streams follow (``layout``): rank r restores the streams saved by rank r where the checkpoint has them, a
@@ -51,22 +52,26 @@ from typing import Any
 
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.config.override import derive, override
+from torchtitan.tools.logging import logger
 
+from torchtitan_rng.distributed import barrier, rank_and_world_size
+from torchtitan_rng.errors import EXIT_CODE, ConfigError
 from torchtitan_rng.integrations import check_tested_version
 from torchtitan_rng.integrations.torchtitan.drift import DEGREE_KEYS, QUIET_KEYS, config_drift, config_values
 from torchtitan_rng.integrations.torchtitan.layout import (describe_layout, layout_change, layout_of,
                                                            saved_stream_ranks)
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
 from torchtitan_rng.integrations.torchtitan.manager import ExactResumeCheckpointManager
+from torchtitan_rng.integrations.torchtitan.options import check_options
 from torchtitan_rng.integrations.torchtitan.standins import provide_presplit_step, provide_set_timeout
 from torchtitan_rng.integrations.torchtitan.streams import STREAMS_PART, _PreservedStreamsValidator
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
-from torchtitan_rng.rng import MASK_STREAMS, tensor_parallel_mismatch
+from torchtitan_rng.rng import MASK_STREAMS
 
 __all__ = ["DEGREE_KEYS", "MASK_STREAMS", "QUIET_KEYS", "STREAMS_PART", "ExactResumeCheckpointManager",
            "_PreservedStreamsValidator", "attach_loss_log", "carry_worker_streams", "config_drift", "config_values",
            "describe_layout", "exact_resume", "layout_change", "layout_of", "provide_presplit_step",
-           "provide_set_timeout", "saved_stream_ranks", "tensor_parallel_mismatch"]
+           "provide_set_timeout", "saved_stream_ranks"]
 
 check_tested_version("torchtitan")
 provide_set_timeout()
@@ -80,5 +85,13 @@ provide_presplit_step()
 def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
     """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
     (``signals``, ``restore_streams_at``, ``worker_streams``) come from
-    ``--override.imports 'TARGET={"signals": [...]}'``."""
+    ``--override.imports 'TARGET={"signals": [...]}'``. A bad one: one line from rank 0, then exit 2 on every rank
+    (torchtitan applies overrides on every rank, after starting the process group), no traceback."""
+    try:
+        check_options(options)
+    except ConfigError as err:
+        if rank_and_world_size()[0] == 0:
+            logger.error(f"torchtitan_rng: {err}")
+        barrier()  # torchrun ends every rank once one exits: none leaves before rank 0 has said why
+        raise SystemExit(EXIT_CODE) from None
     return derive(config, ExactResumeCheckpointManager.Config, **options)

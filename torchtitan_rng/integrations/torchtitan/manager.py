@@ -19,11 +19,13 @@ from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_values
 from torchtitan_rng.integrations.torchtitan.layout import layout_change, layout_of, saved_stream_ranks
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
+from torchtitan_rng.integrations.torchtitan.mask_groups import check_mask_groups, mask_groups
+from torchtitan_rng.integrations.torchtitan.options import check_options
+from torchtitan_rng.integrations.torchtitan.seed import unseeded_run
 from torchtitan_rng.integrations.torchtitan.stop import SignalStop
 from torchtitan_rng.integrations.torchtitan.streams import (STREAMS_PART, _PreservedStreamsValidator,
                                                             _RestoreAfterIter)
 from torchtitan_rng.integrations.torchtitan.workers import carry_worker_streams
-from torchtitan_rng.rng import group_mask_streams
 
 
 class ExactResumeCheckpointManager(CheckpointManager):
@@ -44,14 +46,17 @@ class ExactResumeCheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.restore_streams_at not in ("first_iter", "load"):
-                raise ValueError(f"torchtitan_rng: restore_streams_at = {self.restore_streams_at!r}; use "
-                                 "\"first_iter\" (exact) or \"load\"")
-            checkpoint_signals.signal_numbers(self.signals)  # one line naming a signal that cannot be caught
+            # The override checks its options before building this; a config built in code, here.
+            check_options({"signals": self.signals, "restore_streams_at": self.restore_streams_at,
+                           "worker_streams": self.worker_streams})
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
-        self.loss_log = attach_loss_log(kwargs["states"][TRAIN_STATE])
+        trainer = kwargs["states"][TRAIN_STATE]
+        self.loss_log = attach_loss_log(trainer)
+        unseeded = unseeded_run(trainer.config.debug.seed)
+        if unseeded is not None and rank_and_world_size()[0] == 0:
+            logger.warning(unseeded)
         super().__init__(config, **kwargs)
         if not self.enable:
             if rank_and_world_size()[0] == 0:
@@ -65,8 +70,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
         self._restore_pending = False
         self._stop_step: int | None = None
         self.stop: SignalStop | None = SignalStop(config.signals)  # a collective: every rank builds its manager here
-        dims = self.trainer.parallel_dims
-        self._tp_group = dims.get_mesh("tp").get_group() if dims.tp_enabled else None
+        self._mask_groups = mask_groups(self.trainer.parallel_dims)
         line = carry_worker_streams(self.trainer.dataloader, config.worker_streams)
         if line is not None and self.streams.rank == 0:
             logger.warning(line)
@@ -141,31 +145,17 @@ class ExactResumeCheckpointManager(CheckpointManager):
         assert self.stop is not None
         if not self.stop.agreed():
             if self._should_save(curr_step, last_step):
-                self._check_tensor_parallel_streams(curr_step)
+                check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
             self._write_record(curr_step, last_step)
             return super()._save(curr_step, last_step)
         self._stop_step = curr_step
-        self._check_tensor_parallel_streams(curr_step)
+        check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
         self._write_record(curr_step, False)
         saved = super()._save(curr_step, last_step=False)  # last_step would save the model only by default
         self.maybe_wait_for_saving()
         logger.info(f"torchtitan_rng: stop signal: saved a full checkpoint at step {curr_step}; stopping")
         self.trainer.config.training.steps = curr_step  # the loop ends after this step
         return saved
-
-    def _check_tensor_parallel_streams(self, step: int) -> None:
-        """At a save, every rank of a tensor-parallel group: compare the group's mask streams (one gather of
-        their fingerprints); the group's first rank names a difference."""
-        if self._tp_group is None:
-            return
-        ranks, line = group_mask_streams(step, self._tp_group, self.trainer.device)
-        if self.streams.rank != ranks[0]:
-            return
-        if line is not None:
-            logger.warning(f"torchtitan_rng: {line}")
-        else:
-            logger.info(f"torchtitan_rng: step {step}: the mask streams of tensor-parallel ranks "
-                        f"{', '.join(map(str, ranks))} are equal")
 
     def _write_record(self, step: int, last_step: bool) -> None:
         """Rank 0 puts the run record into the folder of a checkpoint about to be saved (before DCP writes
