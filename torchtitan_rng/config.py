@@ -770,24 +770,3 @@ def to_flags(config: JobConfig) -> list[str]:
             value = str(value).lower()
         flags.append(f"--{key.dotted}={value}")
     return flags
-
-
-# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
-QUIET = (
-    "job.config_file", "job.dump_folder", "job.description",
-    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
-    "metrics.*", "signals.*",
-    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
-    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
-    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
-    # (data.on_num_workers_change).
-    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
-    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
-    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
-    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
-    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
-)
-
-
-def is_quiet(key: str) -> bool:
-    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET

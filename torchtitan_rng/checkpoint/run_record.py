@@ -9,7 +9,7 @@ On resume every difference of the *resolved* values is classified. ``lr_schedule
 means ``training.steps``, so the horizon is compared, not the spelling: stopping with ``--training.steps
 10 --lr_scheduler.total_steps 20`` and resuming with ``--training.steps 20`` changes nothing.
 
-* Quiet: keys that cannot change the trajectory (``config.QUIET``).
+* Quiet: keys that cannot change the trajectory (``QUIET``).
 * Named: keys a resume may change with a note (``NAMED``), e.g. ``training.skip_steps``.
 * Refused by default: every other key, and the data's content. One line per key (saved and new value,
   what to do); ``checkpoint.allow_config_change KEY,...`` turns a key's refusal into a WARNING.
@@ -28,7 +28,6 @@ from torchtitan_rng.checkpoint import integrity
 from torchtitan_rng.checkpoint.layout import METADATA_NAME, RECORD_NAME
 from torchtitan_rng.checkpoint.storage import Where, locate
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
-from torchtitan_rng.config import is_quiet
 
 # 2: the trainer's Llama keeps each head's q, k and v rows of attn.qkv together (tensor parallelism splits by head);
 # format 1 kept all queries, then all keys, then all values, which load into the same shapes as other heads' rows.
@@ -36,6 +35,21 @@ _FORMAT = 2
 # Keys added after records of format 1, with the value that gives what a run recorded without them computed.
 INTRODUCED = {"parallelism.tensor_parallel_degree": 1, "parallelism.tensor_parallel_chunks": 1}
 
+# Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
+QUIET = (
+    "job.config_file", "job.dump_folder", "job.description",
+    "checkpoint.*",  # where and how often to save, what to load: the resume's own policy
+    "metrics.*", "signals.*",
+    "validation.*",  # runs inside a preserved-RNG block, after the step's loss is taken
+    "training.steps",  # only where training ends; the horizon is compared as lr_scheduler.total_steps
+    # Per-sample data randomness does not depend on workers; a worker-RNG dataset has its own policy
+    # (data.on_num_workers_change).
+    "data.num_workers", "data.prefetch_factor", "data.snapshot_every_n_steps", "data.on_num_workers_change",
+    "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
+    "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
+    "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
+    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
+)
 # Keys whose change a resume names (a note) instead of refusing: the change is what the user came to make, and
 # the resumed steps are then exactly those of a run launched with the new value (why, for each).
 NAMED = {
@@ -135,6 +149,10 @@ def trust_hint(trained: str, module: str) -> str:
     """What to do about a module ``trained`` ("checkpoint X", "this run") names, in one line."""
     return (f"{trained} was trained with {CODE_KEY} {module!r}, code that is imported only when "
             f"you name it: pass --{CODE_KEY} {module} if you trust it")
+
+
+def is_quiet(key: str) -> bool:
+    return key in QUIET or f"{key.split('.')[0]}.*" in QUIET
 
 
 @dataclass(frozen=True)

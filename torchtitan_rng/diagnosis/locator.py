@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtitan_rng.config import is_quiet
+from torchtitan_rng.checkpoint.run_record import is_quiet
 from torchtitan_rng.diagnosis.divergence import Launches
 from torchtitan_rng.diagnosis.fingerprint_files import Steps, read_rank_files
 
