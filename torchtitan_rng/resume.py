@@ -148,6 +148,7 @@ def claim_folder(config: JobConfig) -> list[str]:
     if not config.checkpoint.enable:
         return []
     folder, dump = folder_of(config), _dump_folder(config)
+    folder.check()  # a file or a broken link where the folder should be: one line, not the claim's OSError
     _refuse_inside_a_checkpoint(folder)
     holder = owner.claim(folder, dump)
     said = _judge_owner(config, folder, holder)

@@ -148,11 +148,12 @@ class CheckpointManager:
 
     def _save(self, step: int, in_background: bool) -> Location:
         self.wait()
-        if self.rank == 0:
-            self._claim(step)
-        # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not write.
-        layout.refuse_overwrite(self.folder, [step])
         try:
+            if self.rank == 0:
+                self._claim(step)
+            # A run resumed from an older checkpoint (own loop: load_step) must not replace a newer one it did not
+            # write.
+            layout.refuse_overwrite(self.folder, [step])
             return self._write(step, in_background)
         except CheckpointError:  # already one line (a leftover that is not ours)
             raise

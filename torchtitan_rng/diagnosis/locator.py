@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from torchtitan_rng.checkpoint.run_record import is_quiet
 from torchtitan_rng.diagnosis.divergence import Launches
 from torchtitan_rng.diagnosis.fingerprint_files import Steps, read_rank_files
 
@@ -104,6 +103,10 @@ def config_differences(a: RunPrints, b: RunPrints, step: int) -> list[str] | Non
             found.append(f"the process count {sizes[0]} vs {sizes[1]}")
     if config_a is None or config_b is None:
         return found or None
+    # Imported here: the record's module reads checksums with numpy, and compare_losses and verify_resume must
+    # start (and say what is missing) under a Python that has neither numpy nor torch.
+    from torchtitan_rng.checkpoint.run_record import is_quiet
+
     for key in sorted(set(config_a) | set(config_b)):
         value_a, value_b = config_a.get(key), config_b.get(key)
         if is_quiet(key) or value_a == value_b:
