@@ -11,6 +11,9 @@ import pytest
 from tests.support.launch import REPO, launch, run_env, together
 from torchtitan_rng.compare_losses import main as compare_losses
 
+# The slow tier (CI): the everyday suite stays within its time on 2 cores.
+pytestmark = pytest.mark.slow
+
 SCRIPT = str(REPO / "tests" / "support" / "own_loop_prints.py")
 STEPS, STOP_AT = 6, 3
 Capture = pytest.CaptureFixture[str]

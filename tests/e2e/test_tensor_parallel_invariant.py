@@ -13,6 +13,9 @@ import pytest
 from tests.support.launch import compare, together, train
 from torchtitan_rng.loss_log import read_loss_log
 
+# The slow tier (CI): the everyday suite stays within its time on 2 cores.
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 STOP = 2
 # 4 micro-batches of 2 per step: 4, 2 or 1 per data shard at 1, 2 and 4 of them.
