@@ -32,8 +32,16 @@ from torchtitan_rng.errors import ConfigError, TorchtitanRngError
 # 2: the trainer's Llama keeps each head's q, k and v rows of attn.qkv together (tensor parallelism splits by head);
 # format 1 kept all queries, then all keys, then all values, which load into the same shapes as other heads' rows.
 _FORMAT = 2
-# Keys added after records of format 1, with the value that gives what a run recorded without them computed.
-INTRODUCED = {"parallelism.tensor_parallel_degree": 1, "parallelism.tensor_parallel_chunks": 1}
+
+
+def introduced(saved_config: dict[str, Any]) -> dict[str, Any]:
+    """Keys added after records of format 1, with the value that gives what a run recorded without them computed
+    (the chunks only where they change the numbers: the world-size-invariant mode)."""
+    values: dict[str, Any] = {"parallelism.tensor_parallel_degree": 1}
+    if saved_config.get("parallelism.world_size_invariant"):
+        values["parallelism.tensor_parallel_chunks"] = 1
+    return values
+
 
 # Keys (or whole sections, "name.*") that cannot change the losses of the steps a resume trains.
 QUIET = (
@@ -177,8 +185,8 @@ def differences(saved: dict[str, Any], current: dict[str, Any], compared: Compar
     """The trajectory keys whose resolved value differs (quiet keys left out; both configs seen through the run's
     parallel mode, ``compared``, when given), in key order. A key only one side has (added or removed by another
     version, or left out by ``compared``) is not compared: the record cannot say its old value, unless this version
-    knows what a record without it ran (``INTRODUCED``)."""
-    saved_config, config = {**INTRODUCED, **saved["config"]}, current["config"]
+    knows what a record without it ran (:func:`introduced`)."""
+    saved_config, config = {**introduced(saved["config"]), **saved["config"]}, current["config"]
     if compared is not None:
         saved_config, config = compared(saved_config), compared(config)
     changes = [Change(key, saved_config[key], config[key]) for key in sorted(set(saved_config) & set(config))
