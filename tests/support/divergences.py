@@ -36,13 +36,18 @@ BAD_OPTIMIZER_STEP = 4
 TRANSPOSED_PARAM = "layers.0.attn.out.weight"
 
 
-def _noisy_attention(model: nn.Module) -> None:
+def make_noisy(module: nn.Module) -> None:
+    """``module`` returns its output plus noise from a generator seeded by the OS: every run computes otherwise."""
     noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
     def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return output + 1e-6 * torch.randn(output.shape, generator=noise).to(output.device)
 
-    model.layers[0].attn.register_forward_hook(add_noise)
+    module.register_forward_hook(add_noise)
+
+
+def _noisy_attention(model: nn.Module) -> None:
+    make_noisy(model.layers[0].attn)
 
 
 def _bad_load(model: nn.Module) -> None:

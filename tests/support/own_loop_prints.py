@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,15 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from torchtitan_rng import ExactResume, build_dataloader
-
-
-def _noisy(module: nn.Module) -> None:
-    noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-
-    def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output + 1e-6 * torch.randn(output.shape, generator=noise)
-
-    module.register_forward_hook(add_noise)
+from tests.support.divergences import make_noisy
 
 
 def main() -> None:
@@ -51,7 +42,7 @@ def main() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
     if args.noisy:
-        _noisy(net[0])
+        make_noisy(net[0])
     model = DistributedDataParallel(net) if distributed else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     points = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))

@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
 from torchtitan_rng.integrations.hf import ExactResumeTrainer
+from tests.support.divergences import make_noisy
 
 
 class Samples(torch.utils.data.Dataset):
@@ -58,15 +58,6 @@ class LossLog(transformers.TrainerCallback):
                 log.write(json.dumps({"step": state.global_step, "loss": self.model.last_loss}) + "\n")
 
 
-def _noisy(module: nn.Module) -> None:
-    noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-
-    def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output + 1e-6 * torch.randn(output.shape, generator=noise)
-
-    module.register_forward_hook(add_noise)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -79,7 +70,7 @@ def main() -> None:
     transformers.set_seed(0)
     model = Regressor()
     if opts.noisy:
-        _noisy(model.body[0])
+        make_noisy(model.body[0])
     args = transformers.TrainingArguments(
         output_dir=str(opts.out / "checkpoints"), max_steps=opts.max_steps, per_device_train_batch_size=4,
         learning_rate=0.05, lr_scheduler_type="constant", save_strategy="steps", save_steps=3, seed=0,

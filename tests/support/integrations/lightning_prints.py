@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torchtitan_rng.integrations.lightning import ExactResumeCallback
+from tests.support.divergences import make_noisy
 
 
 class Regressor(L.LightningModule):
@@ -55,15 +54,6 @@ class LossLog(L.Callback):
                 log.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
 
 
-def _noisy(module: nn.Module) -> None:
-    noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
-
-    def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output + 1e-6 * torch.randn(output.shape, generator=noise)
-
-    module.register_forward_hook(add_noise)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -77,7 +67,7 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     model = Regressor(opts.data_seed)
     if opts.noisy:
-        _noisy(model.body[0])
+        make_noisy(model.body[0])
     save = L.callbacks.ModelCheckpoint(dirpath=opts.out / "ckpt", save_last=True, save_top_k=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=opts.max_steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
