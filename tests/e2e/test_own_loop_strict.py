@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.ranks import end_rank
 from tests.support.tiny_loop import STEPS, tiny_loop, train_tiny_loop
 from torchtitan_rng import CheckpointError
 
@@ -22,7 +23,7 @@ def _in_group(rank: int, world: int, folder: Path, action: str) -> None:
     else:
         with pytest.raises(CheckpointError, match=r"saved by 1 processes and this run has 2: .*run with 1 processes"):
             exact.load()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_two_processes_refuse_a_one_process_checkpoint(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from tests.support.ranks import end_rank
+
 from torchtitan_rng.checkpoint.safe_load import SafeLoadPlanner
 from torchtitan_rng.checkpoint.train_state import TrainState
 
@@ -38,7 +40,7 @@ def _own_state_comes_back(rank: int, folder: Path) -> None:
     states = [torch.empty_like(expected) for _ in range(WORLD)]
     dist.all_gather(states, torch.get_rng_state())
     assert not torch.equal(states[0], states[1]), "the two ranks were meant to hold different states"
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _shared_key_loses_rank_state(rank: int, folder: Path) -> None:
@@ -53,7 +55,7 @@ def _shared_key_loses_rank_state(rank: int, folder: Path) -> None:
     flags = [None] * WORLD
     dist.all_gather_object(flags, came_back)
     assert flags.count(False) >= 1, "expected DCP to keep only one rank's copy of a shared key"
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_each_rank_gets_its_own_rng_back(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.ranks import end_rank
+
 from torchtitan_rng.distributed import StopVote
 
 WORLD = 2
@@ -22,7 +24,7 @@ def _vote(rank: int, folder: Path, signalled_rank: int, signal_at: int) -> None:
     seen = [vote.poll(rank == signalled_rank and poll >= signal_at) for poll in range(POLLS)]
     vote.close()
     (folder / f"rank{rank}.json").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _polls(folder: Path, signalled_rank: int, signal_at: int) -> list[list[bool]]:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.support.launch import REPO
+from tests.support.ranks import end_rank
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.models.llama.chunked import split_llama_chunks
 from torchtitan_rng.models.llama.model import FLAVORS, Llama
@@ -102,7 +103,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     results = {"all": _run(whole), "pair": _run(pair), "llama all": _llama(whole, every),
                "llama pair": _llama(pair, pairs["tp"])}
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from tests.support.ranks import end_rank
+
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
 from torchtitan_rng.diagnosis.locator import Draws, TensorPrints, locate, prints_path, read_prints
@@ -532,7 +534,7 @@ def _hash_shards(rank: int, folder: Path) -> None:
         # The control: the local shard hashed as a tensor of its own (its places counted from 0, not in the whole).
         hashes[f"{shape} local"] = int(tensor_hash(distribute_tensor(whole, mesh, [Shard(0)]).to_local()))
     (folder / f"rank{rank}.json").write_text(json.dumps(hashes))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_shards_hashes_add_up_to_the_whole_tensors(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from tests.support.launch import REPO
+from tests.support.ranks import end_rank
 from torchtitan_rng import resume
 from torchtitan_rng.checkpoint import run_record
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
@@ -179,7 +180,7 @@ def _split_rank(rank: int, port: int, out: str) -> None:
                           "norm": norm.full_tensor() if isinstance(norm, DTensor) else norm,
                           "split": sorted(name for name, p in model.named_parameters() if isinstance(p, DTensor))}
     torch.save(results, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_the_llama_plan_computes_the_models_logits_and_gradients(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.data import Dataset
 
 from tests.support.checks import float_bits
+from tests.support.ranks import end_rank
 
 from torchtitan_rng.config import ConfigError, parse_args
 from torchtitan_rng.data.global_sampler import GlobalBatchSampler
@@ -78,7 +79,7 @@ def _sum_worker(rank: int, world: int, store: str, out: str) -> None:
     dist.all_reduce(squares)  # the control: each rank's sum of squares, then one all-reduce
     torch.save({"exchange": exchange.shard, "plain": plain, "norm": grad_norm(params),
                 "plain_norm": squares.sqrt()}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    end_rank()
 
 
 def test_slot_order_sum_and_norm_same_bits_on_3_processes_as_on_one_plain_all_reduce_differs(tmp_path: Path) -> None:
