@@ -30,8 +30,9 @@ from torchtitan_rng.errors import TorchtitanRngError, report
 from torchtitan_rng.loss_log import read_loss_log
 
 
-# What tells where torchtitan trained a run (the plug-in has no fingerprint option; these are what it has).
-TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in has no fingerprint option): set the same "
+# What tells where torchtitan trained a run (the plug-in records no stream fingerprints; these are what it has).
+TORCHTITAN_ADVICE = ("torchtitan runs have none (the torchtitan_rng plug-in records no stream fingerprints; its "
+                     "\"tensor_fingerprint\" option names the first tensor that differs): set the same "
                      "--debug.seed in both (torchtitan seeds at random without it), read the plug-in's "
                      "`torchtitan_rng:` WARNING lines of a resume (a changed config key, another process count or "
                      "layout, a checkpoint without streams), and rerun both with --debug.deterministic to rule out "

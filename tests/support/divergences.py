@@ -41,7 +41,9 @@ def make_noisy(module: nn.Module) -> None:
     noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
 
     def add_noise(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output + 1e-6 * torch.randn(output.shape, generator=noise).to(output.device)
+        # In the output's precision and of a size it keeps (a bfloat16 output under mixed precision rounds 1e-6 away).
+        scale = max(1e-6, torch.finfo(output.dtype).eps)
+        return output + (scale * torch.randn(output.shape, generator=noise)).to(output.device, output.dtype)
 
     module.register_forward_hook(add_noise)
 

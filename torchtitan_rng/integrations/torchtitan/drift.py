@@ -34,9 +34,14 @@ def config_values(config: Any) -> dict[str, Any]:
     return values
 
 
-def _horizon_matters(values: dict[str, Any]) -> bool:
+def horizon_matters(values: dict[str, Any]) -> bool:
     """Whether the learning-rate schedule depends on ``training.steps`` (a decay spread over the run)."""
     return values.get("lr_scheduler.decay_ratio") != 0
+
+
+def is_quiet(key: str) -> bool:
+    """Whether ``key`` is one of ``QUIET_KEYS`` (itself or its section)."""
+    return key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
 
 
 def config_drift(saved: dict[str, Any], current: dict[str, Any], layout_recorded: bool = False) -> list[str]:
@@ -44,13 +49,12 @@ def config_drift(saved: dict[str, Any], current: dict[str, Any], layout_recorded
     are not compared; ``training.steps`` only where the schedule's decay depends on it; the parallel degrees
     only where the checkpoint has no recorded layout)."""
     def quiet(key: str) -> bool:
-        return (key in QUIET_KEYS or f"{key.split('.')[0]}.*" in QUIET_KEYS
-                or (layout_recorded and key in DEGREE_KEYS))
+        return is_quiet(key) or (layout_recorded and key in DEGREE_KEYS)
 
     lines = [f"{key} = {current[key]!r} but the checkpoint was trained with {saved[key]!r}"
              for key in sorted(set(saved) & set(current)) if not quiet(key) and saved[key] != current[key]]
     steps = "training.steps"
-    if saved.get(steps) != current.get(steps) and _horizon_matters(current):
+    if saved.get(steps) != current.get(steps) and horizon_matters(current):
         lines.append(f"{steps} = {current.get(steps)!r} but the checkpoint was trained with {saved.get(steps)!r}, "
                      "and the learning-rate decay is spread over training.steps (stop by signal, or set "
                      "--lr_scheduler.decay_ratio 0, to stop early exactly)")

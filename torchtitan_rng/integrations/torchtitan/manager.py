@@ -16,7 +16,9 @@ from torchtitan_rng.checkpoint.run_record import make_record, read_record, write
 from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
 from torchtitan_rng.distributed import rank_and_world_size
+from torchtitan_rng.diagnosis.tensor_fingerprints import TensorFingerprints
 from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_values
+from torchtitan_rng.integrations.torchtitan.fingerprints import attach_tensor_fingerprints
 from torchtitan_rng.integrations.torchtitan.layout import layout_change, layout_of, saved_stream_ranks
 from torchtitan_rng.integrations.torchtitan.loss_log import attach_loss_log
 from torchtitan_rng.integrations.torchtitan.mask_groups import check_mask_groups, mask_groups
@@ -44,16 +46,28 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """Carry each loader worker's streams in the loader's per-worker state (``--dataloader.num_workers``
         > 0). ``False`` leaves them to the loader's seed (named at start); only to show that they matter."""
 
+        tensor_fingerprint: bool = False
+        """Record the tensor locator's fingerprints (each micro-batch, its loss, the gradients before clipping,
+        the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``: ``compare_losses`` and
+        ``verify_resume`` name the first tensor that differs between two runs."""
+
+        fingerprint_modules_at_step: int = 0
+        """With ``tensor_fingerprint``, at this step also hash every module call's inputs and outputs (0: none)."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             # The override checks its options before building this; a config built in code, here.
             check_options({"signals": self.signals, "restore_streams_at": self.restore_streams_at,
-                           "worker_streams": self.worker_streams})
+                           "worker_streams": self.worker_streams, "tensor_fingerprint": self.tensor_fingerprint,
+                           "fingerprint_modules_at_step": self.fingerprint_modules_at_step})
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
         trainer = kwargs["states"][TRAIN_STATE]
         self.loss_log = attach_loss_log(trainer)
+        self.prints: TensorFingerprints | None = (
+            attach_tensor_fingerprints(trainer, config.fingerprint_modules_at_step) if config.tensor_fingerprint
+            else None)  # off: nothing hooked
         unseeded = unseeded_run(trainer.config.debug.seed)
         if unseeded is not None and rank_and_world_size()[0] == 0:
             logger.warning(unseeded)
@@ -136,6 +150,12 @@ class ExactResumeCheckpointManager(CheckpointManager):
         for line in config_drift(saved["config"], config_values(self.trainer.config), layout_recorded):
             logger.warning(f"torchtitan_rng: {line}: this resume is no longer the run that was stopped")
 
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Called after every step's update, with checkpointing on or off: the update's fingerprints first."""
+        if self.prints is not None:
+            self.prints.updated(flush=False)  # read at the next logged step's log, or at a save
+        return super().save(curr_step, last_step)
+
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         return curr_step == self._stop_step or super()._should_save(curr_step, last_step)
 
@@ -143,6 +163,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """Called after every step: the stock save, or on an agreed stop signal a full save and the end."""
         self.streams.step = curr_step
         assert self.stop is not None
+        if self.prints is not None and self._should_save(curr_step, last_step):
+            self.prints.flush()  # a save reads the device anyway: a kill after it loses no recorded step
         if not self.stop.agreed():
             if self._should_save(curr_step, last_step):
                 check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
@@ -167,6 +189,13 @@ class ExactResumeCheckpointManager(CheckpointManager):
         record = make_record(config_values(self.trainer.config), None)
         record["layout"] = layout_of(self.trainer.parallel_dims)  # named at a resume on another layout
         write_record(folder, record)
+
+    def close(self) -> None:
+        """Also with checkpointing off (the stock close then does nothing)."""
+        if getattr(self, "prints", None) is not None:
+            self.prints.close()
+            self.prints = None
+        super().close()
 
     def _close(self) -> None:
         if getattr(self, "stop", None) is not None:
