@@ -73,6 +73,32 @@ def _micro_batches(input_dict: Any, labels: Any) -> list[dict[str, Any]]:
     return [{**input_dict, "labels": labels}]
 
 
+def _skip_metadata_inference(prints: TensorFingerprints, schedule: Any) -> None:
+    """Leave out of the module calls those of torch's pipeline metadata inference: at a process's first step each
+    stage runs its forward and backward once to learn the shapes it sends, after the first stage on empty tensors
+    (memory never written, so its bits differ from run to run; the backward recomputes checkpointed layers). Done
+    by torch's stage, hence its private methods; a torch without them has nothing to leave out."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        for method in ("_forward_metadata_inference", "_backward_metadata_inference"):
+            infer = getattr(stage, method, None)
+            if infer is not None:
+                setattr(stage, method, _without_module_calls(prints, infer))
+
+
+def _without_module_calls(prints: TensorFingerprints, run: Any) -> Any:
+    """``run``, its module calls taken back out of the step's record."""
+    def run_unrecorded(*args: Any, **kwargs: Any) -> Any:
+        calls = prints.record.get("modules")
+        before = len(calls) if calls is not None else 0
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if calls is not None:
+                del calls[before:]
+    return run_unrecorded
+
+
 def attach_tensor_fingerprints(trainer: Any, modules_at: int) -> TensorFingerprints:
     """The recorder of this rank, writing into ``{dump_folder}/tensor_fingerprints/rank{R}.jsonl``, hooked into the
     trainer's ``forward_backward_step`` (each micro-batch, its loss before any reduction over the ranks, the
@@ -109,6 +135,8 @@ def attach_tensor_fingerprints(trainer: Any, modules_at: int) -> TensorFingerpri
         prints.flush()  # queued before this step's loss was read to the host: ready, no wait
         return log(*args, **kwargs)
 
+    if modules_at and trainer.parallel_dims.pp_enabled:
+        _skip_metadata_inference(prints, trainer.pp_schedule)
     # The instances' attributes, as the loss log replaces the processor's log: the trainer calls them through self.
     trainer.forward_backward_step = recorded_step
     processor.log = log_after_reading
