@@ -26,6 +26,21 @@ BAD = {
     "a number for a signal": ({"signals": [15]},
                               'exact_resume option "signals" is [15], not a list of signal names'),
     "a word for a flag": ({"worker_streams": "no"}, 'exact_resume option "worker_streams" is "no", not true or false'),
+    "a misspelt fingerprint key": ({"tensor_fingerprints": True},
+                                   'exact_resume has no option "tensor_fingerprints": did you mean "tensor_fingerprint"?'),
+    "a number for the fingerprint flag": ({"tensor_fingerprint": 1},
+                                          'exact_resume option "tensor_fingerprint" is 1, not true or false'),
+    "a negative module step": ({"tensor_fingerprint": True, "fingerprint_modules_at_step": -1},
+                               'exact_resume option "fingerprint_modules_at_step" is -1, not a step number (0: no '
+                               'step)'),
+    "a string for the module step": ({"tensor_fingerprint": True, "fingerprint_modules_at_step": "3"},
+                                     'exact_resume option "fingerprint_modules_at_step" is "3", not a step number'),
+    "a module step without fingerprints": ({"fingerprint_modules_at_step": 3},
+                                           'exact_resume option "fingerprint_modules_at_step" hashes module calls '
+                                           'into the tensor fingerprints: add "tensor_fingerprint": true'),
+    "a module step with fingerprints off": ({"tensor_fingerprint": False, "fingerprint_modules_at_step": 3},
+                                            'exact_resume option "fingerprint_modules_at_step" hashes module calls '
+                                            'into the tensor fingerprints: add "tensor_fingerprint": true'),
 }
 
 
@@ -53,7 +68,10 @@ def test_a_bad_option_is_one_line_naming_it_as_written_and_exit_2(case: str,
 
 @pytest.mark.parametrize("options", [{}, {"signals": ["SIGUSR1"]}, {"restore_streams_at": "load"},
                                      {"worker_streams": False}, {"signals": [], "restore_streams_at": "first_iter",
-                                                                 "worker_streams": True}])
+                                                                 "worker_streams": True},
+                                     {"tensor_fingerprint": True}, {"tensor_fingerprint": False},
+                                     {"tensor_fingerprint": True, "fingerprint_modules_at_step": 4},
+                                     {"tensor_fingerprint": False, "fingerprint_modules_at_step": 0}])
 def test_good_options_build_the_plugins_config(options: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     from torchtitan.components.checkpointer import CheckpointManager
 
@@ -73,3 +91,5 @@ def test_a_config_built_in_code_is_checked_the_same_way() -> None:
 
     with pytest.raises(ConfigError, match='option "worker_streams" is "no", not true or false'):
         ExactResumeCheckpointManager.Config(worker_streams="no")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match='add "tensor_fingerprint": true'):
+        ExactResumeCheckpointManager.Config(fingerprint_modules_at_step=2)
