@@ -6,8 +6,10 @@ naming the first thing that differs, with step, rank and tensor:
 * FSDP 2: the reference's checkpoint at step 2 resumed with the same flags (the control: identical, exit 0); the
   same checkpoint resumed with ``--training.max_norm 0.01`` (the update, with the changed key); the text file with
   its lines in another order (the data); ``layers.0.attention.wo`` made noisy (a computation, named at the module);
-* pipeline parallel 2 (1F1B: each rank holds other parameters): ``layers.1.attention.wo``, held by the second stage,
-  made noisy: named on rank 1, the first stage's module calls equal.
+* pipeline parallel 2 (1F1B: each rank holds other parameters): the checkpoint at step 2 resumed (the control);
+  ``layers.1.attention.wo``, held by the second stage, made noisy: named on rank 1, the first stage's calls equal;
+* tensor parallel 2 (each parameter sharded over both ranks): the checkpoint at step 2 resumed with
+  ``--training.max_norm 0.01``: what the resume loaded equal shard by shard, the update named.
 
 The resumed runs start in a folder holding the reference's checkpoint and its loss-log and fingerprint lines up to
 the checkpoint, as a run stopped there holds them (tests/e2e/test_torchtitan_plugin.py shares runs the same way)."""
@@ -36,6 +38,7 @@ FLAGS = ("--override.imports",
 NOISY = "tests.support.integrations.titan_noisy.noisy_layer{}"
 PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
       "--training.disable_cuda_graphs")
+TP = ("--parallelism.tensor_parallel_degree", "2")
 Capture = pytest.CaptureFixture[str]
 
 
@@ -62,21 +65,23 @@ def _shuffled_text(assets: Path, folder: Path) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:  # noqa: F811
     root = tmp_path_factory.mktemp("titan_locator")
     dumps = {name: root / name for name in ("reference", "resumed", "max_norm", "shuffled", "noisy", "pp",
-                                            "pp_noisy")}
+                                            "pp_resumed", "pp_noisy", "tp", "tp_max_norm")}
     shuffled = _shuffled_text(assets, root / "shuffled_text")
 
-    def reference_and_resumes() -> None:
-        train_titan(assets, dumps["reference"], STEPS, *FLAGS)
-        for name in ("resumed", "max_norm"):
-            _stopped_at(dumps["reference"], dumps[name], STOP)
-        together(lambda: train_titan(assets, dumps["resumed"], STEPS, *FLAGS),
-                 lambda: train_titan(assets, dumps["max_norm"], STEPS, *FLAGS, "--training.max_norm", "0.01"))
+    def reference_and_resume(reference: str, resumes: dict[str, tuple[str, ...]], *layout: str) -> None:
+        train_titan(assets, dumps[reference], STEPS, *FLAGS, *layout)
+        for name in resumes:
+            _stopped_at(dumps[reference], dumps[name], STOP)
+        together(*(lambda name=name, extra=extra: train_titan(assets, dumps[name], STEPS, *FLAGS, *layout, *extra)
+                   for name, extra in resumes.items()))
 
-    together(reference_and_resumes,
+    max_norm = ("--training.max_norm", "0.01")
+    together(lambda: reference_and_resume("reference", {"resumed": (), "max_norm": max_norm}),
              lambda: train_titan(assets, dumps["shuffled"], STOP, *FLAGS, "--dataloader.dataset_path", str(shuffled)),
              lambda: train_titan(assets, dumps["noisy"], STOP, *FLAGS, NOISY.format(0)),
-             lambda: train_titan(assets, dumps["pp"], STOP, *FLAGS, *PP),
-             lambda: train_titan(assets, dumps["pp_noisy"], STOP, *FLAGS, NOISY.format(1), *PP))
+             lambda: reference_and_resume("pp", {"pp_resumed": ()}, *PP),
+             lambda: train_titan(assets, dumps["pp_noisy"], STOP, *FLAGS, NOISY.format(1), *PP),
+             lambda: reference_and_resume("tp", {"tp_max_norm": max_norm}, *TP))
     return dumps
 
 
@@ -87,14 +92,16 @@ def _located(runs: dict[str, Path], a: str, b: str, capsys: Capture) -> tuple[in
     return code, [line[len(lead):] for line in capsys.readouterr().out.splitlines() if line.startswith(lead)]
 
 
-def test_control_an_exact_resume_names_nothing(runs: dict[str, Path], capsys: Capture) -> None:
+@pytest.mark.parametrize("reference, resumed", [("reference", "resumed"), ("pp", "pp_resumed")])
+def test_control_an_exact_resume_names_nothing(runs: dict[str, Path], capsys: Capture, reference: str,
+                                               resumed: str) -> None:
     capsys.readouterr()
-    assert compare_losses([str(runs["reference"]), str(runs["resumed"])]) == 0
+    assert compare_losses([str(runs[reference]), str(runs[resumed])]) == 0
     assert capsys.readouterr().out.splitlines() == [f"identical: {STEPS} steps (1..{STEPS}) with bitwise-equal losses"]
     # Each rank recorded each step, the resume's process from where it loaded (its first line: what it loaded).
     for rank in (0, 1):
         lines = [json.loads(line) for line in
-                 (runs["resumed"] / "tensor_fingerprints" / f"rank{rank}.jsonl").read_text().splitlines()]
+                 (runs[resumed] / "tensor_fingerprints" / f"rank{rank}.jsonl").read_text().splitlines()]
         assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
         assert "entering" in lines[STOP] and lines[STOP]["entering"]["optim"], lines[STOP].keys()
 
@@ -113,8 +120,10 @@ def test_a_noisy_module_is_named_at_its_output(runs: dict[str, Path], capsys: Ca
                                    "equal)"], lines
 
 
-def test_max_norm_changed_at_the_resume_is_the_update(runs: dict[str, Path], capsys: Capture) -> None:
-    code, lines = _located(runs, "reference", "max_norm", capsys)
+@pytest.mark.parametrize("reference, changed", [("reference", "max_norm"), ("tp", "tp_max_norm")])
+def test_max_norm_changed_at_the_resume_is_the_update(runs: dict[str, Path], capsys: Capture, reference: str,
+                                                      changed: str) -> None:
+    code, lines = _located(runs, reference, changed, capsys)
     assert code == 1 and lines == [
         f"step {STOP + 1}, rank 0: gradients equal on every rank, parameter `tok_embeddings.weight` after the update "
         "differs (the optimizer: its state or its hyperparameters; the configs differ in training.max_norm 1.0 → "
@@ -130,3 +139,10 @@ def test_pipeline_stages_are_compared_rank_by_rank(runs: dict[str, Path], capsys
     assert code == 1 and lines == ["step 1, rank 1: `layers.1.attention.wo` output differs, its input equal (a "
                                    "kernel: an operation inside it gave other bits; its parameters entered the step "
                                    "equal)"], lines
+
+
+def test_tensor_parallel_shards_are_hashed_as_parts_of_the_whole(runs: dict[str, Path]) -> None:
+    # Each rank hashed its shard of each sharded parameter (named as sharded): the locator can add them up.
+    for rank in (0, 1):
+        first = json.loads((runs["tp"] / "tensor_fingerprints" / f"rank{rank}.jsonl").read_text().splitlines()[0])
+        assert "layers.0.attention.wo.weight" in first["sharded"], first.get("sharded")
