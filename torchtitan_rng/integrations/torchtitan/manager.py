@@ -1,5 +1,6 @@
-"""torchtitan's DCP checkpoint manager with every rank's streams, a save-and-stop on signals, the loss log, the run
-record and the save-time checks; what the override (``exact_resume``) puts in the run's config."""
+"""torchtitan's DCP checkpoint manager with every rank's streams, a save-and-stop on signals, the loss log, the tensor
+fingerprints, the run record and the save-time checks; what the override (``exact_resume``) puts in the run's
+config."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ class ExactResumeCheckpointManager(CheckpointManager):
 
         tensor_fingerprint: bool = False
         """Record the tensor locator's fingerprints (each micro-batch, its loss, the gradients before clipping,
-        the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``: ``compare_losses`` and
-        ``verify_resume`` name the first tensor that differs between two runs."""
+        the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``: ``compare_losses`` names the
+        first tensor that differs between two runs (``fingerprints``)."""
 
         fingerprint_modules_at_step: int = 0
         """With ``tensor_fingerprint``, at this step also hash every module call's inputs and outputs (0: none)."""
