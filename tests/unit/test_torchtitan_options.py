@@ -27,7 +27,8 @@ BAD = {
                               'exact_resume option "signals" is [15], not a list of signal names'),
     "a word for a flag": ({"worker_streams": "no"}, 'exact_resume option "worker_streams" is "no", not true or false'),
     "a misspelt fingerprint key": ({"tensor_fingerprints": True},
-                                   'exact_resume has no option "tensor_fingerprints": did you mean "tensor_fingerprint"?'),
+                                   'exact_resume has no option "tensor_fingerprints": did you mean '
+                                   '"tensor_fingerprint"?'),
     "a number for the fingerprint flag": ({"tensor_fingerprint": 1},
                                           'exact_resume option "tensor_fingerprint" is 1, not true or false'),
     "a negative module step": ({"tensor_fingerprint": True, "fingerprint_modules_at_step": -1},
