@@ -8,6 +8,8 @@ naming the first thing that differs, with step, rank and tensor:
   its lines in another order (the data); ``layers.0.attention.wo`` made noisy (a computation, named at the module);
 * pipeline parallel 2 (1F1B: each rank holds other parameters): the checkpoint at step 2 resumed (the control);
   ``layers.1.attention.wo``, held by the second stage, made noisy: named on rank 1, the first stage's calls equal;
+  the same under Interleaved1F1B (two stages per rank: rank 0 holds the embeddings and ``layers.1``): named on
+  rank 0, in its second stage;
 * tensor parallel 2 (each parameter sharded over both ranks): the checkpoint at step 2 resumed with
   ``--training.max_norm 0.01``: what the resume loaded equal shard by shard, the update named.
 
@@ -36,8 +38,9 @@ STEPS, STOP = 4, 2
 FLAGS = ("--override.imports",
          PLUGIN + "=" + json.dumps({"tensor_fingerprint": True, "fingerprint_modules_at_step": 1}))
 NOISY = "tests.support.integrations.titan_noisy.noisy_layer{}"
-PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-      "--training.disable_cuda_graphs")
+PIPELINE = ("--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs")
+PP = (*PIPELINE, "--parallelism.pipeline_parallel_schedule", "1F1B")
+INTERLEAVED = (*PIPELINE, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
 TP = ("--parallelism.tensor_parallel_degree", "2")
 Capture = pytest.CaptureFixture[str]
 
@@ -65,7 +68,8 @@ def _shuffled_text(assets: Path, folder: Path) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Path]:  # noqa: F811
     root = tmp_path_factory.mktemp("titan_locator")
     dumps = {name: root / name for name in ("reference", "resumed", "max_norm", "shuffled", "noisy", "pp",
-                                            "pp_resumed", "pp_noisy", "tp", "tp_max_norm")}
+                                            "pp_resumed", "pp_noisy", "interleaved", "interleaved_noisy", "tp",
+                                            "tp_max_norm")}
     shuffled = _shuffled_text(assets, root / "shuffled_text")
 
     def reference_and_resume(reference: str, resumes: dict[str, tuple[str, ...]], *layout: str) -> None:
@@ -81,6 +85,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict[str, Pa
              lambda: train_titan(assets, dumps["noisy"], STOP, *FLAGS, NOISY.format(0)),
              lambda: reference_and_resume("pp", {"pp_resumed": ()}, *PP),
              lambda: train_titan(assets, dumps["pp_noisy"], STOP, *FLAGS, NOISY.format(1), *PP),
+             lambda: train_titan(assets, dumps["interleaved"], STOP, *FLAGS, *INTERLEAVED),
+             lambda: train_titan(assets, dumps["interleaved_noisy"], STOP, *FLAGS, NOISY.format(1), *INTERLEAVED),
              lambda: reference_and_resume("tp", {"tp_max_norm": max_norm}, *TP))
     return dumps
 
@@ -137,6 +143,15 @@ def test_pipeline_stages_are_compared_rank_by_rank(runs: dict[str, Path], capsys
     assert "layers.1.attention.wo.weight" in second - first and "tok_embeddings.weight" in first - second
     code, lines = _located(runs, "pp", "pp_noisy", capsys)
     assert code == 1 and lines == ["step 1, rank 1: `layers.1.attention.wo` output differs, its input equal (a "
+                                   "kernel: an operation inside it gave other bits; its parameters entered the step "
+                                   "equal)"], lines
+
+
+def test_two_pipeline_stages_on_a_rank_are_recorded_as_one_model(runs: dict[str, Path], capsys: Capture) -> None:
+    first = json.loads((runs["interleaved"] / "tensor_fingerprints" / "rank0.jsonl").read_text().splitlines()[0])
+    assert {"tok_embeddings.weight", "layers.1.attention.wo.weight"} <= set(first["param"]), first["param"].keys()
+    code, lines = _located(runs, "interleaved", "interleaved_noisy", capsys)
+    assert code == 1 and lines == ["step 1, rank 0: `layers.1.attention.wo` output differs, its input equal (a "
                                    "kernel: an operation inside it gave other bits; its parameters entered the step "
                                    "equal)"], lines
 
