@@ -11,6 +11,14 @@ random stream differed first, on which rank (see divergence.py); when both ran w
 which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). Where the
 runs are torchtitan's (the plug-in), whose runs record no fingerprints, it says what tells there instead.
 ``--plot out.png`` draws both curves and their difference (needs matplotlib).
+
+``--locate`` goes down to the module where the first tensor that differs is inside a step's computation (the
+batches and the weights entering the step equal; a module's output, a loss or a gradient not): it replays that
+step of each run, from its newest checkpoint before the step or from its start, with every module call
+fingerprinted, and prints per rank the first call whose inputs are equal and whose output differs (see
+diagnosis/module_replay.py). A run trained with a ``job.custom_module`` is replayed only when the same module is
+named (``--job.custom_module NAME``). The exit codes stay those above; a run that cannot be replayed is one
+``error:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, first_stream_divergence
-from torchtitan_rng.diagnosis.locator import Draws, TensorPrints
+from torchtitan_rng.diagnosis.locator import Draws, Finding, TensorPrints
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
-from torchtitan_rng.errors import TorchtitanRngError, report
+from torchtitan_rng.errors import TorchtitanRngError, report, torch_missing
 from torchtitan_rng.loss_log import read_loss_log
 
 
@@ -119,10 +127,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the steps both logs hold (e.g. a run resumed from an older checkpoint)")
     parser.add_argument("--plot", type=Path, metavar="OUT.png",
                         help="draw both loss curves and their difference, the first divergence marked")
+    parser.add_argument("--locate", action="store_true",
+                        help="where the first tensor that differs is inside a step's computation (both runs trained "
+                             "with --debug.tensor_fingerprint and checkpoints): replay that step of each run with "
+                             "module hooks and name, per rank, the first module call whose inputs are equal and "
+                             "whose output differs")
+    parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
+                        help="with --locate: the module a run was trained with (job.custom_module); a run's own is "
+                             "never imported unless named here")
     args = parser.parse_args(argv)
     try:
         if args.plot is not None:
             pyplot()  # fail on a missing matplotlib before comparing anything
+        if args.locate and (missing := torch_missing("compare_losses --locate")) is not None:
+            raise missing
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
         prints = TensorPrints(args.run_a, args.run_b)
     except TorchtitanRngError as err:
@@ -143,7 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)
         print(f"plot written to {args.plot}")
+    if args.locate:
+        finding = prints.finding(result.first_step if result.loss_differs else None, draws)
+        try:
+            print("\n".join(_locate(args.run_a, args.run_b, prints, finding, args.custom_module)))
+        except TorchtitanRngError as err:
+            return report(err)
     return 0 if result.equal else 1
+
+
+def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | None, trusted_module: str) -> list[str]:
+    """``--locate``'s lines: the module calls that part first, or why there is nothing to replay."""
+    if prints.a is None or prints.b is None:
+        return ["--locate: nothing to replay: it needs both runs' tensor fingerprints (--debug.tensor_fingerprint) "
+                "to find a step whose computation differs"]
+    if finding is None:
+        return ["--locate: nothing to replay: every tensor fingerprint equal"]
+    if not finding.in_computation:
+        return [f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not inside a "
+                "step's computation"]
+    # Imported here: replaying needs torch, which comparing does not.
+    from torchtitan_rng.diagnosis.module_replay import locate_module
+
+    return [f"--locate: replaying step {finding.step} of A and B with module hooks",
+            *locate_module(run_a, run_b, finding, trusted_module)]
 
 
 if __name__ == "__main__":

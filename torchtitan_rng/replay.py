@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +151,23 @@ def _replay_on(config: JobConfig, processes: int) -> dict[str, Any]:
     return json.loads(report_file.read_text())
 
 
-def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
-    """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
-    newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
-    ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
+@dataclass
+class Replayed:
+    """A step replayed into a dump folder: where it started (in words), on how many processes, its config, rank 0's
+    report (replay_step.py), the replay's loss log line of the step and the run's."""
+    start: str
+    processes: int
+    config: JobConfig
+    seen: dict[str, Any]
+    replayed: dict[str, Any]
+    logged: dict[str, Any]
+
+
+def replay_into(run: Path, step: int, dump: Path, processes: int | None = None, trusted_module: str = "",
+                folder: str = "", observe: dict[str, Any] | None = None) -> Replayed:
+    """Replay ``step`` of ``run`` into the new dump folder ``dump`` (see the module's docstring for the rest);
+    ``observe``: config values (``section.key``) set in the replay on top of the run's, for keys that only observe
+    (quiet ones: ``debug.tensor_fingerprint``)."""
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
     if processes is not None and processes < 1:
@@ -165,22 +179,29 @@ def replay(run: Path, step: int, processes: int | None = None, trusted_module: s
     if not checkpoints:
         raise no_checkpoint(run, folder, "the run's config")
     checkpoint, recorded = _start(checkpoints, step, trusted_module)
-    values = as_launched(run, recorded)
+    values = {**as_launched(run, recorded), **(observe or {})}
     integrity.verify_files(checkpoints[-1], [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
     info = inspect_checkpoint(checkpoints[-1])
     processes = processes or info.saved_world_size or 1
     _refuse_other_counts(info, values, processes)
-    with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
-        dump = Path(scratch) / "replay"
-        run_start = _run_start(values, dump) if checkpoint is None else None
-        config = _replay_config(values, checkpoint or run_start, step, dump)
-        seen = _replay_on(config, processes)
-        replayed = read_loss_log(dump)[step]
-    offset_of = token_offsets(config, trusted_module)
+    run_start = _run_start(values, dump) if checkpoint is None else None
+    config = _replay_config(values, checkpoint or run_start, step, dump)
+    seen = _replay_on(config, processes)
     start = (f"checkpoint {checkpoint}" if checkpoint is not None
              else f"checkpoint {run_start}, the run's checkpoint.initial_load_path" if run_start is not None
              else "the start (no checkpoint before it)")
-    print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
+    return Replayed(start, processes, config, seen, read_loss_log(dump)[step], logged[step])
+
+
+def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
+    """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
+    newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
+    ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
+    with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
+        done = replay_into(run, step, Path(scratch) / "replay", processes, trusted_module, folder)
+    seen, replayed = done.seen, done.replayed
+    offset_of = token_offsets(done.config, trusted_module)
+    print(f"replayed step {step} of {run} on {done.processes} process(es) from {done.start}")
     logged_keys = replayed[SAMPLES_FIELD]
     keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
                for entry, part, parts in seen["micro_batch_samples"]]
@@ -195,7 +216,7 @@ def replay(run: Path, step: int, processes: int | None = None, trusted_module: s
     skipped = " (skipped: no update)" if replayed.get("skipped") else ""
     print(f"step {step}: grad_norm per block (before clipping): {_blocks(seen['step_grads'])}")
     print(f"step {step}: update norm {seen['update_norm']:.6g}{skipped}")
-    equal, line = verdict(step, replayed, logged[step])
+    equal, line = verdict(step, replayed, done.logged)
     print(line)
     return 0 if equal else 1
 
