@@ -29,7 +29,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, first_stream_divergence
 from torchtitan_rng.diagnosis.locator import Draws, Finding, TensorPrints
@@ -164,27 +164,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.locate:
         finding = prints.finding(result.first_step if result.loss_differs else None, draws)
         try:
-            print("\n".join(_locate(args.run_a, args.run_b, prints, finding, args.custom_module)))
+            for line in _locate(args.run_a, args.run_b, prints, finding, args.custom_module):
+                print(line, flush=True)  # the replays' own output (stderr) comes between
         except TorchtitanRngError as err:
             return report(err)
     return 0 if result.equal else 1
 
 
-def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | None, trusted_module: str) -> list[str]:
+def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | None,
+            trusted_module: str) -> Iterator[str]:
     """``--locate``'s lines: the module calls that part first, or why there is nothing to replay."""
     if prints.a is None or prints.b is None:
-        return ["--locate: nothing to replay: it needs both runs' tensor fingerprints (--debug.tensor_fingerprint) "
-                "to find a step whose computation differs"]
-    if finding is None:
-        return ["--locate: nothing to replay: every tensor fingerprint equal"]
-    if not finding.in_computation:
-        return [f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not inside a "
-                "step's computation"]
-    # Imported here: replaying needs torch, which comparing does not.
-    from torchtitan_rng.diagnosis.module_replay import locate_module
+        yield ("--locate: nothing to replay: it needs both runs' tensor fingerprints (--debug.tensor_fingerprint) "
+               "to find a step whose computation differs")
+    elif finding is None:
+        yield "--locate: nothing to replay: every tensor fingerprint equal"
+    elif not finding.in_computation:
+        yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not inside a "
+               "step's computation")
+    else:
+        yield f"--locate: replaying step {finding.step} of A and B with module hooks"
+        # Imported here: replaying needs torch, which comparing does not.
+        from torchtitan_rng.diagnosis.module_replay import locate_module
 
-    return [f"--locate: replaying step {finding.step} of A and B with module hooks",
-            *locate_module(run_a, run_b, finding, trusted_module)]
+        yield from locate_module(run_a, run_b, finding, trusted_module)
 
 
 if __name__ == "__main__":

@@ -152,22 +152,31 @@ def _replay_on(config: JobConfig, processes: int) -> dict[str, Any]:
 
 
 @dataclass
-class Replayed:
-    """A step replayed into a dump folder: where it started (in words), on how many processes, its config, rank 0's
-    report (replay_step.py), the replay's loss log line of the step and the run's."""
-    start: str
+class ReplayPlan:
+    """A replay checked and ready to launch: the run's step, the checkpoint it starts from (None: the run's start),
+    the config values it trains with, on how many processes, and the run's loss log line of the step."""
+    step: int
+    checkpoint: Location | None
+    values: dict[str, Any]
     processes: int
-    config: JobConfig
-    seen: dict[str, Any]
-    replayed: dict[str, Any]
     logged: dict[str, Any]
 
 
-def replay_into(run: Path, step: int, dump: Path, processes: int | None = None, trusted_module: str = "",
-                folder: str = "", observe: dict[str, Any] | None = None) -> Replayed:
-    """Replay ``step`` of ``run`` into the new dump folder ``dump`` (see the module's docstring for the rest);
-    ``observe``: config values (``section.key``) set in the replay on top of the run's, for keys that only observe
-    (quiet ones: ``debug.tensor_fingerprint``)."""
+@dataclass
+class Replayed:
+    """A step replayed into a dump folder: where it started (in words), its config, rank 0's report
+    (replay_step.py) and the replay's loss log line of the step."""
+    start: str
+    config: JobConfig
+    seen: dict[str, Any]
+    replayed: dict[str, Any]
+
+
+def plan_replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "",
+                observe: dict[str, Any] | None = None) -> ReplayPlan:
+    """Check that ``step`` of ``run`` can be replayed (see the module's docstring), launching nothing; ``observe``:
+    config values (``section.key``) set on top of the run's, for keys that only observe (quiet ones:
+    ``debug.tensor_fingerprint``)."""
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
     if processes is not None and processes < 1:
@@ -184,24 +193,30 @@ def replay_into(run: Path, step: int, dump: Path, processes: int | None = None, 
     info = inspect_checkpoint(checkpoints[-1])
     processes = processes or info.saved_world_size or 1
     _refuse_other_counts(info, values, processes)
-    run_start = _run_start(values, dump) if checkpoint is None else None
-    config = _replay_config(values, checkpoint or run_start, step, dump)
-    seen = _replay_on(config, processes)
-    start = (f"checkpoint {checkpoint}" if checkpoint is not None
+    return ReplayPlan(step, checkpoint, values, processes, logged[step])
+
+
+def replay_into(plan: ReplayPlan, dump: Path) -> Replayed:
+    """Launch ``plan`` into the new dump folder ``dump``; what it saw."""
+    run_start = _run_start(plan.values, dump) if plan.checkpoint is None else None
+    config = _replay_config(plan.values, plan.checkpoint or run_start, plan.step, dump)
+    seen = _replay_on(config, plan.processes)
+    start = (f"checkpoint {plan.checkpoint}" if plan.checkpoint is not None
              else f"checkpoint {run_start}, the run's checkpoint.initial_load_path" if run_start is not None
              else "the start (no checkpoint before it)")
-    return Replayed(start, processes, config, seen, read_loss_log(dump)[step], logged[step])
+    return Replayed(start, config, seen, read_loss_log(dump)[plan.step])
 
 
 def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
     """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
     newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
     ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
+    plan = plan_replay(run, step, processes, trusted_module, folder)
     with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
-        done = replay_into(run, step, Path(scratch) / "replay", processes, trusted_module, folder)
+        done = replay_into(plan, Path(scratch) / "replay")
     seen, replayed = done.seen, done.replayed
     offset_of = token_offsets(done.config, trusted_module)
-    print(f"replayed step {step} of {run} on {done.processes} process(es) from {done.start}")
+    print(f"replayed step {step} of {run} on {plan.processes} process(es) from {done.start}")
     logged_keys = replayed[SAMPLES_FIELD]
     keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
                for entry, part, parts in seen["micro_batch_samples"]]
@@ -216,7 +231,7 @@ def replay(run: Path, step: int, processes: int | None = None, trusted_module: s
     skipped = " (skipped: no update)" if replayed.get("skipped") else ""
     print(f"step {step}: grad_norm per block (before clipping): {_blocks(seen['step_grads'])}")
     print(f"step {step}: update norm {seen['update_norm']:.6g}{skipped}")
-    equal, line = verdict(step, replayed, done.logged)
+    equal, line = verdict(step, replayed, plan.logged)
     print(line)
     return 0 if equal else 1
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchtitan_rng.diagnosis.locator import Finding, locate, module_origins, read_prints
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
-from torchtitan_rng.replay import ReplayFailed, replay_into, verdict
+from torchtitan_rng.replay import ReplayFailed, plan_replay, replay_into, verdict
 from torchtitan_rng.samples import run_checkpoints
 
 
@@ -28,23 +28,30 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
     run and what to pass, where a run's start cannot be rebuilt."""
     step = finding.step
     observe = {"debug.tensor_fingerprint": True, "debug.fingerprint_modules_at_step": step}
+    runs = {"A": run_a, "B": run_b}
+    plans = {}
+    for label, run in runs.items():  # both checked before either is launched
+        if not run_checkpoints(run):
+            raise ConfigError(f"--locate cannot rebuild {label} ({run}): it holds no complete checkpoint, whose "
+                              "run.json records the config to replay from; train it with --checkpoint.enable")
+        try:
+            plans[label] = plan_replay(run, step, trusted_module=trusted_module, observe=observe)
+        except TorchtitanRngError as err:
+            raise ConfigError(f"--locate cannot rebuild {label} ({run}): {err}") from None
     lines = []
     with tempfile.TemporaryDirectory(prefix="locate-") as scratch:
         dumps = []
-        for label, run in (("A", run_a), ("B", run_b)):
-            if not run_checkpoints(run):
-                raise ConfigError(f"--locate cannot rebuild {label} ({run}): it holds no complete checkpoint, whose "
-                                  "run.json records the config to replay from; train it with --checkpoint.enable")
+        for label, plan in plans.items():
             dump = Path(scratch) / label
             try:
-                done = replay_into(run, step, dump, trusted_module=trusted_module, observe=observe)
-            except TorchtitanRngError as err:
-                raise ConfigError(f"--locate cannot rebuild {label} ({run}): {err}") from None
+                done = replay_into(plan, dump)
+            except TorchtitanRngError as err:  # the run's own start (its initial_load_path) not at hand
+                raise ConfigError(f"--locate cannot rebuild {label} ({runs[label]}): {err}") from None
             except ReplayFailed as err:
-                raise TorchtitanRngError(f"--locate: the replay of {label} ({run}) failed (exit {err.code}); its "
-                                         "processes' output is above") from None
-            _, reproduced = verdict(step, done.replayed, done.logged)
-            lines.append(f"replayed {label} on {done.processes} process(es) from {done.start}: {reproduced}")
+                raise TorchtitanRngError(f"--locate: the replay of {label} ({runs[label]}) failed (exit {err.code}); "
+                                         "its processes' output is above") from None
+            _, reproduced = verdict(step, done.replayed, plan.logged)
+            lines.append(f"replayed {label} on {plan.processes} process(es) from {done.start}: {reproduced}")
             dumps.append(dump)
         replay_a, replay_b = read_prints(dumps[0]), read_prints(dumps[1])
     assert replay_a is not None and replay_b is not None, "a replay wrote no tensor fingerprints"
