@@ -183,7 +183,6 @@ def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | N
         yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not inside a "
                "step's computation")
     else:
-        yield f"--locate: replaying step {finding.step} of A and B with module hooks"
         # Imported here: replaying needs torch, which comparing does not.
         from torchtitan_rng.diagnosis.module_replay import locate_module
 

@@ -489,7 +489,7 @@ def test_compare_losses_locate_replays_only_a_computation(tmp_path: Path, capsys
     _loss_log(gradient, [3.0, 2.5, 2.25, 1.5])
     assert compare_main([str(a), str(gradient), "--locate"]) == 2
     captured = capsys.readouterr()
-    assert _lines(captured.out)[-1] == "--locate: replaying step 2 of A and B with module hooks"
+    assert _lines(captured.out)[-1].endswith(CASES["gradient"][1])  # nothing said of a replay: none ran
     assert captured.err == (f"error: --locate cannot rebuild A ({a}): it holds no complete checkpoint, whose run.json "
                             "records the config to replay from; train it with --checkpoint.enable\n")
 

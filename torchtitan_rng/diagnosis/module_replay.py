@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from torchtitan_rng.diagnosis.locator import Finding, locate, module_origins, read_prints
 from torchtitan_rng.errors import ConfigError, TorchtitanRngError
@@ -21,11 +22,11 @@ from torchtitan_rng.replay import ReplayFailed, plan_replay, replay_into, verdic
 from torchtitan_rng.samples import run_checkpoints
 
 
-def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: str = "") -> list[str]:
-    """The lines of ``--locate`` for the runs' first difference ``finding`` (one inside a step's computation):
-    each replay's start and whether it reproduced its run's loss, then the module calls that part first, per rank
-    (or, where the replays part otherwise, the first tensor that differs between them). ConfigError, naming the
-    run and what to pass, where a run's start cannot be rebuilt."""
+def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: str = "") -> Iterator[str]:
+    """The lines of ``--locate`` for the runs' first difference ``finding`` (one inside a step's computation), as
+    they come: each replay's start and whether it reproduced its run's loss, then the module calls that part
+    first, per rank (or, where the replays part otherwise, the first tensor that differs between them).
+    ConfigError, naming the run and what to pass, where a run's start cannot be rebuilt (before any line)."""
     step = finding.step
     observe = {"debug.tensor_fingerprint": True, "debug.fingerprint_modules_at_step": step}
     runs = {"A": run_a, "B": run_b}
@@ -38,7 +39,7 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
             plans[label] = plan_replay(run, step, trusted_module=trusted_module, observe=observe)
         except TorchtitanRngError as err:
             raise ConfigError(f"--locate cannot rebuild {label} ({run}): {err}") from None
-    lines = []
+    yield f"--locate: replaying step {step} of A and B with module hooks"
     with tempfile.TemporaryDirectory(prefix="locate-") as scratch:
         dumps = []
         for label, plan in plans.items():
@@ -51,14 +52,15 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
                 raise TorchtitanRngError(f"--locate: the replay of {label} ({runs[label]}) failed (exit {err.code}); "
                                          "its processes' output is above") from None
             _, reproduced = verdict(step, done.replayed, plan.logged)
-            lines.append(f"replayed {label} on {plan.processes} process(es) from {done.start}: {reproduced}")
+            yield f"replayed {label} on {plan.processes} process(es) from {done.start}: {reproduced}"
             dumps.append(dump)
         replay_a, replay_b = read_prints(dumps[0]), read_prints(dumps[1])
     assert replay_a is not None and replay_b is not None, "a replay wrote no tensor fingerprints"
     parted = locate(replay_a, replay_b)
     if parted is None:
-        return [*lines, f"step {step}: the replays of A and B are equal in every tensor fingerprint: the difference "
-                        "did not recur when replayed"]
+        yield (f"step {step}: the replays of A and B are equal in every tensor fingerprint: the difference did not "
+               "recur when replayed")
+        return
     in_the_step = parted.step == step and parted.in_computation
     origins = module_origins(replay_a, replay_b, step) if in_the_step else []
-    return [*lines, *(origins or ["in the replays, the first tensor that differs: " + parted.lines[0]])]
+    yield from origins or ["in the replays, the first tensor that differs: " + parted.lines[0]]
