@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, firs
 from torchtitan_rng.diagnosis.locator import Draws, Finding, TensorPrints
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
 from torchtitan_rng.errors import TorchtitanRngError, report, torch_missing
-from torchtitan_rng.loss_log import read_loss_log
+from torchtitan_rng.loss_log import read_loss_log, same_bits
 
 
 # What tells where torchtitan trained a run (the plug-in has no fingerprint option; these are what it has).
@@ -70,10 +69,6 @@ def _torchtitan_run(run: Path) -> bool:
             continue
         return isinstance(config, dict) and "dump_folder" in config and "job.dump_folder" not in config
     return False
-
-
-def same_bits(a: float, b: float) -> bool:
-    return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
 
 
 def _span(steps: list[int]) -> str:

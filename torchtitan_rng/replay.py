@@ -40,11 +40,10 @@ from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import METADATA_NAME, CheckpointInfo
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.checkpoint.storage import Location, is_url
-from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags
 from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
 from torchtitan_rng.launch.runs import launch_command
-from torchtitan_rng.loss_log import read_loss_log
+from torchtitan_rng.loss_log import read_loss_log, same_bits
 from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.replay_step import REPORT_NAME, total_norm
 from torchtitan_rng.samples import (FOLDER_HELP, as_launched, format_keys, no_checkpoint, run_checkpoints,
