@@ -97,6 +97,7 @@ def test_a_difference_at_step_1_is_located_from_the_runs_start(runs: dict[str, P
 def test_a_run_of_a_custom_module_not_named_is_refused_in_one_line(runs: dict[str, Path]) -> None:
     done = _compare(runs["reference"], runs["noisy_late"], "--locate")
     checkpoint = runs["noisy_late"] / "checkpoint" / f"step-{STOP_AT}"
+    assert "replaying" not in done.stdout  # refused before either replay was launched
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: --locate cannot rebuild B ({runs['noisy_late']}): checkpoint {checkpoint} was trained with "
         "job.custom_module 'tests.support.divergences', code that is imported only when you name it: pass "

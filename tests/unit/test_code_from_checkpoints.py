@@ -1,6 +1,6 @@
-"""Loading never executes code: ``samples``, ``replay`` and ``compare_losses --locate`` import no module a checkpoint's ``run.json`` names
-(``job.custom_module``) unless the user names it on their command line, and check the checkpoint's files before
-reading any value. Real checkpoints written in this process by the CheckpointManager; a module whose import
+"""Loading never executes code: ``samples``, ``replay`` and ``compare_losses --locate`` import no module a
+checkpoint's ``run.json`` names (``job.custom_module``) unless the user names it on their command line, and check
+the checkpoint's files before reading any value. Real checkpoints written in this process by the CheckpointManager; a module whose import
 leaves a mark (a file) stands for the code."""
 
 from __future__ import annotations

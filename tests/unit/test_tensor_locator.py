@@ -490,8 +490,9 @@ def test_compare_losses_locate_replays_only_a_computation(tmp_path: Path, capsys
     assert compare_main([str(a), str(gradient), "--locate"]) == 2
     captured = capsys.readouterr()
     assert _lines(captured.out)[-1].endswith(CASES["gradient"][1])  # nothing said of a replay: none ran
-    assert captured.err == (f"error: --locate cannot rebuild A ({a}): it holds no complete checkpoint, whose run.json "
-                            "records the config to replay from; train it with --checkpoint.enable\n")
+    assert captured.err == (f"error: --locate cannot rebuild A ({a}): its dump folder holds no complete checkpoint, "
+                            "whose run.json records the config to replay from; train it with --checkpoint.enable, "
+                            "its checkpoints in the dump folder (--locate looks nowhere else)\n")
 
 
 def test_reports_for_runs_without_fingerprints(tmp_path: Path) -> None:

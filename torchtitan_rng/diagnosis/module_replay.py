@@ -33,8 +33,9 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
     plans = {}
     for label, run in runs.items():  # both checked before either is launched
         if not run_checkpoints(run):
-            raise ConfigError(f"--locate cannot rebuild {label} ({run}): it holds no complete checkpoint, whose "
-                              "run.json records the config to replay from; train it with --checkpoint.enable")
+            raise ConfigError(f"--locate cannot rebuild {label} ({run}): its dump folder holds no complete "
+                              "checkpoint, whose run.json records the config to replay from; train it with "
+                              "--checkpoint.enable, its checkpoints in the dump folder (--locate looks nowhere else)")
         try:
             plans[label] = plan_replay(run, step, trusted_module=trusted_module, observe=observe)
         except TorchtitanRngError as err:
