@@ -175,8 +175,8 @@ def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | N
     elif finding is None:
         yield "--locate: nothing to replay: every tensor fingerprint equal"
     elif not finding.in_computation:
-        yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not inside a "
-               "step's computation")
+        yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not in a step's "
+               "forward or backward from equal batches and weights, split alike over the same ranks")
     else:
         # Imported here: replaying needs torch, which comparing does not.
         from torchtitan_rng.diagnosis.module_replay import locate_module

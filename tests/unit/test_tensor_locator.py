@@ -475,8 +475,9 @@ def test_compare_losses_locate_replays_only_a_computation(tmp_path: Path, capsys
     _loss_log(data, [3.0, 2.5, 2.25, 1.5])
     assert compare_main([str(a), str(data), "--locate"]) == 1
     out = _lines(capsys.readouterr().out)
-    assert out[-2].endswith(CASES["data"][1]) and out[-1] == ("--locate: nothing to replay: the first difference "
-                                                              "(step 3, above) is not inside a step's computation")
+    assert out[-2].endswith(CASES["data"][1]) and out[-1] == (
+        "--locate: nothing to replay: the first difference (step 3, above) is not in a step's forward or backward "
+        "from equal batches and weights, split alike over the same ranks")
     assert compare_main([str(a), str(a), "--locate"]) == 0
     assert _lines(capsys.readouterr().out) == ["identical: 4 steps (1..4) with bitwise-equal losses",
                                                "--locate: nothing to replay: every tensor fingerprint equal"]
