@@ -16,6 +16,7 @@ from tests.support.doc_commands import as_repository, block_after, run_block
 from tests.support.launch import REPO, compare, together
 
 
+@pytest.mark.slow  # CI's tier: each block runs a 2-process training
 def test_the_docs_examples_run_as_written(tmp_path: Path) -> None:
     """docs/world_size_invariant.md: a 2-process world-size-invariant run, three of its steps again on one process from its
     checkpoint (looking only), compared: identical. docs/spikes.md: the token file written, a 2-process ordinary
@@ -35,9 +36,8 @@ def test_the_docs_examples_run_as_written(tmp_path: Path) -> None:
 
 # docs/torchtitan.md's CPU trial (examples/torchtitan_cpu), llama and Flux: write the assets, train 4 steps, train
 # 2 and resume to 4, compare. Its python and torchrun fork from a server that has imported torchtitan (as the
-# plug-in's own tests do): a cold torchtitan import costs seconds per process. The llama block is in the
-# everyday tier; Flux's (about twice as long) in the slow tier: tests/e2e/test_torchtitan_plugin.py already
-# trains the same tiny Flux in the everyday tier.
+# plug-in's own tests do): a cold torchtitan import costs seconds per process. Both blocks are in the slow tier,
+# which CI runs; tests/e2e/test_torchtitan_plugin.py trains the same tiny llama every day.
 TORCHTITAN_CPU = {"llama": "### On a CPU first", "flux": "Flux, the same way:"}
 TORCHTITAN_WARM = (str(REPO / "examples" / "torchtitan_cpu" / "train.py"), "torchtitan.models.flux.trainer")
 IDENTICAL = "identical: 4 steps (1..4) with bitwise-equal losses"
@@ -45,7 +45,7 @@ IDENTICAL = "identical: 4 steps (1..4) with bitwise-equal losses"
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                     reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
-@pytest.mark.slow  # the tiny llama and Flux of this trial train in test_torchtitan_plugin every day
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "flux"])
 def test_the_torchtitan_cpu_trial_runs_as_written(tmp_path: Path, model: str) -> None:
     """The stopped run saved at 2, resumed there, and compared identical with the uninterrupted run, every run

@@ -31,6 +31,10 @@ from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.owner import OWNER_NAME
 from torchtitan_rng.fault_injection import ENV_VAR as FAULT_ENV
 
+# The slow tier, which CI runs: the everyday suite saves into and loads from the same kind of server in
+# tests/unit/test_storage.py, test_store_failures.py and test_checkpoint_ownership.py.
+pytestmark = pytest.mark.slow
+
 KEY_ENV = "TEST_CHECKPOINT_KEY"
 BUCKET = "ckpt"
 RUN = f"s3://{BUCKET}/run/checkpoint"

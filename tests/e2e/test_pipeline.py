@@ -10,8 +10,8 @@ One set of runs, side by side, checked several ways:
 * Interleaved1F1B (four stages on two ranks): ``verify_resume`` (stop at 2, resume to 4, stream fingerprints);
 * pp 2 x dp 2 on four processes (``data_parallel_shard_degree 2``: dp_shard x pp = the process count, as in
   torchtitan): uninterrupted, and resumed from its step 2, fingerprints compared;
-* the zero-bubble schedules (four stages on two ranks, weight gradients apart): each uninterrupted, and resumed
-  from its step 2;
+* (slow tier) the zero-bubble schedules (four stages on two ranks, weight gradients apart): each uninterrupted,
+  and resumed from its step 2;
 * 1F1B killed (SIGKILL to the last stage) while it writes its last checkpoint, then run again: it resumes from
   the complete checkpoint before, and its log is 1F1B's run.
 """
@@ -63,11 +63,17 @@ def _last_stage_gets_first_stages_streams(state: dict) -> None:
     state[TRAIN_STATE][rank_key(1)] = state[TRAIN_STATE][rank_key(0)]
 
 
+def _run_and_resume_from_step_2(dumps: dict[str, Path], layout: str) -> None:
+    """``layout`` uninterrupted (checkpoints at 2 and 4), then its step 2 resumed in a folder of its own."""
+    train(dumps[layout], *STEPS, *CKPT, *LAYOUTS[layout], nproc=NPROC[layout])
+    _resume_from_step_2(dumps[layout], dumps[f"{layout}_resumed"], layout)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp_path_factory.mktemp("pipeline")
     names = ("1F1B", "1F1B_resumed", "control", "GPipe_sigterm", "Interleaved1F1B", "ppdp", "ppdp_resumed",
-             "1F1B_killed_saving", *ZERO_BUBBLE, *(f"{name}_resumed" for name in ZERO_BUBBLE))
+             "1F1B_killed_saving")
     dumps = {name: folder / name for name in names}
     outputs: dict[str, object] = {}
 
@@ -95,10 +101,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                    "--stop-at", "2", "--nproc", "2", "--keep", str(dumps["Interleaved1F1B"]),
                                    *LAYOUTS["Interleaved1F1B"])
 
-    def resumed_from_step_2(layout: str) -> None:
-        train(dumps[layout], *STEPS, *CKPT, *LAYOUTS[layout], nproc=NPROC[layout])
-        _resume_from_step_2(dumps[layout], dumps[f"{layout}_resumed"], layout)
-
     def killed_while_saving() -> None:
         # Rank 1 (the last stage) kills itself halfway through writing step 4; the run again resumes from step 2.
         outputs["killed"] = train(dumps["1F1B_killed_saving"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2,
@@ -107,12 +109,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         train(dumps["1F1B_killed_saving"], *STEPS, *CKPT, *LAYOUTS["1F1B"], nproc=2)
 
     together(one_f_one_b, sigterm_and_resume, interleaved, killed_while_saving,
-             *(lambda layout=layout: resumed_from_step_2(layout) for layout in ("ppdp", *ZERO_BUBBLE)))
+             lambda: _run_and_resume_from_step_2(dumps, "ppdp"))
     return {**dumps, **outputs}
 
 
-@pytest.mark.parametrize("layout", ["1F1B", "ppdp", *ZERO_BUBBLE])
-def test_resumed_from_step_2_equals_uninterrupted(runs: dict, layout: str) -> None:
+@pytest.fixture(scope="module")
+def zero_bubble_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The zero-bubble schedules' runs: the slow tier's (CI's), the everyday suite has the other schedules'."""
+    folder = tmp_path_factory.mktemp("zero_bubble")
+    dumps = {name: folder / name for layout in ZERO_BUBBLE for name in (layout, f"{layout}_resumed")}
+    together(*(lambda layout=layout: _run_and_resume_from_step_2(dumps, layout) for layout in ZERO_BUBBLE))
+    return dumps
+
+
+@pytest.mark.parametrize("layout", ["1F1B", "ppdp",
+                                    *(pytest.param(name, marks=pytest.mark.slow) for name in ZERO_BUBBLE)])
+def test_resumed_from_step_2_equals_uninterrupted(runs: dict, layout: str, request: pytest.FixtureRequest) -> None:
+    if layout in ZERO_BUBBLE:
+        runs = request.getfixturevalue("zero_bubble_runs")
     resumed = runs[f"{layout}_resumed"]
     assert sorted(read_loss_log(resumed)) == [3, 4]
     result = compare(runs[layout], resumed, "--only-common-steps")

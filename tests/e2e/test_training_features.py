@@ -46,9 +46,8 @@ def assert_resume_exact_with_control(tmp_path: Path, overrides: tuple[str, ...],
     assert float_bits(read_loss_log(control)[step]["loss"]) != float_bits(uninterrupted[step]["loss"])
 
 
-# A feature whose code path test_all_together also runs (llama: compiled, 2 processes; flux: compiled, 1
-# process) is proved alone in the slow tier, which CI runs: there it names the feature when the cases
-# together fail.
+# A feature whose code path test_all_together also runs every day (llama: compiled, 2 processes) is proved
+# alone in the slow tier, which CI runs: there it names the feature when the cases together fail.
 ALSO_TOGETHER = pytest.mark.slow
 
 
@@ -76,8 +75,9 @@ def test_llama_feature_alone_two_processes(tmp_path: Path, overrides: tuple[str,
 
 @pytest.mark.parametrize(("config", "nproc", "compiled"), [
     # Each feature alone runs at 1 process above; together: llama compiled at 2 processes, flux compiled at
-    # 1 and uncompiled at 2 (compiling flux at 2 processes would add minutes on 2 CPU cores).
-    ("llama_debug", 2, True), ("flux_debug", 1, True), ("flux_debug", 2, False),
+    # 1 (in the slow tier, which CI runs) and uncompiled at 2 (compiling flux at 2 processes would add minutes on
+    # 2 CPU cores).
+    ("llama_debug", 2, True), pytest.param("flux_debug", 1, True, marks=pytest.mark.slow), ("flux_debug", 2, False),
 ])
 def test_all_together(tmp_path: Path, config: str, nproc: int, compiled: bool) -> None:
     """Accumulation (2 micro-batches per rank) + compile + selective AC + bf16."""

@@ -1,10 +1,11 @@
 """World-size-invariant training, sharded: the same loss log, bit for bit, at 1, 2, 3 and 4 processes, across a
 resume at another process count (4 -> 3, 3 -> 2), and in a one-process replay of a 3-process checkpoint; llama
-and flux. (Its pieces: tests/unit/test_world_size_invariant.py.)"""
+and flux (flux in the slow tier). (Its pieces: tests/unit/test_world_size_invariant.py.)"""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,8 @@ def _run(dump: Path, config: str, nproc: int, *extra: str) -> Path:
     return dump
 
 
-MODELS = ("llama_debug", "flux_debug")
+# Flux's runs: the slow tier, which CI runs (on the newest torch too); llama's every day.
+MODELS = ("llama_debug", pytest.param("flux_debug", marks=pytest.mark.slow))
 RUN_NAMES = ("uninterrupted_1", "uninterrupted_2", "uninterrupted_3", "uninterrupted_4", "resumed_4_to_3",
              "resumed_3_to_2", "replay")
 
@@ -50,13 +52,35 @@ def _model_runs(config: str, dumps: dict[str, Path]) -> None:
                           str(dumps["uninterrupted_3"] / "checkpoint"), "--checkpoint.load_step", str(STOP)))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """Per model, its dump folders by run name (:func:`_model_runs`); the two models' runs go side by side."""
-    folders = {config: tmp_path_factory.mktemp(config) for config in MODELS}
-    dumps = {config: {name: folders[config] / name for name in RUN_NAMES} for config in MODELS}
-    together(*(lambda config=config: _model_runs(config, dumps[config]) for config in MODELS))
-    return dumps
+def _model_fixture(config: str) -> Callable[[pytest.TempPathFactory], dict[str, Path]]:
+    @pytest.fixture(scope="module")
+    def model_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+        """The model's dump folders by run name (:func:`_model_runs`)."""
+        folder = tmp_path_factory.mktemp(config)
+        dumps = {name: folder / name for name in RUN_NAMES}
+        _model_runs(config, dumps)
+        return dumps
+    return model_runs
+
+
+llama_debug_runs = _model_fixture("llama_debug")
+flux_debug_runs = _model_fixture("flux_debug")
+
+
+class _Runs(dict):
+    """Each model's runs, made once per module (its fixture) when a test first reads them."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        super().__init__()
+        self.request = request
+
+    def __missing__(self, config: str) -> dict[str, Path]:
+        return self.setdefault(config, self.request.getfixturevalue(f"{config}_runs"))
+
+
+@pytest.fixture
+def runs(request: pytest.FixtureRequest) -> dict[str, dict[str, Path]]:
+    return _Runs(request)
 
 
 def _copy_checkpoint(source: Path, dump: Path) -> None:
@@ -136,6 +160,7 @@ def test_launcher_refuses_a_process_count_that_does_not_split_the_step(tmp_path:
     assert not (tmp_path / "loss_log.jsonl").exists()
 
 
+@pytest.mark.slow  # CI's tier: compiling costs minutes of CPU
 def test_bf16_compile_and_ac_same_bits_at_1_and_2_processes(tmp_path: Path) -> None:
     """The mode with the features of real runs: bf16 (autocast on every process; FSDP2 gathers float32
     parameters, so one process and two compute alike), torch.compile and selective activation

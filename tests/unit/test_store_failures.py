@@ -115,7 +115,10 @@ class _PauseWhileWriting:
         return Pausing()
 
 
-@pytest.mark.parametrize("linear", [64, 2048], ids=["small-body", "body-larger-than-the-sockets-hold"])
+@pytest.mark.parametrize("linear", [
+    pytest.param(64, id="small-body"),
+    pytest.param(2048, id="body-larger-than-the-sockets-hold", marks=pytest.mark.slow),  # CI's tier: 10 s of waits
+])
 def test_a_store_paused_during_the_first_save_fails_within_a_bounded_wait(monkeypatch: pytest.MonkeyPatch,
                                                                          fresh_s3fs: None, linear: int) -> None:
     """The run's first upload: once botocore waited without end for the store's go-ahead to send a body (a
