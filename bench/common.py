@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from torchtitan_rng.checkpoint import layout
 from torchtitan_rng.build import build_components
 from torchtitan_rng.config import JobConfig, parse_args
 from torchtitan_rng.distributed import World
+from torchtitan_rng.launch.runs import run_training
 from torchtitan_rng.rng import seed_training_streams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,3 +146,19 @@ def scratch_parent() -> str:
     folder = Path(os.environ.get("TORCHTITAN_RNG_BENCH_DIR", REPO / "outputs" / "bench"))
     folder.mkdir(parents=True, exist_ok=True)
     return str(folder)
+
+
+_MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
+_MEMORY = re.compile(r"(?:peak rss|mem) ([\d.]+) GiB")
+
+
+def launch_times(overrides: list[str], nproc: int, steps: int, log_freq: int) -> tuple[list[float], float]:
+    """One launch of the trainer on the debug config: ms per step of each progress line after the first (start-up
+    and the first step), and rank 0's memory at the last line."""
+    with tempfile.TemporaryDirectory(dir=scratch_parent()) as dump:
+        proc = run_training(DEBUG_CONFIG, ["--job.dump_folder", dump, "--training.steps", str(steps),
+                                           "--metrics.log_freq", str(log_freq), *overrides], nproc=nproc,
+                            env={"OMP_NUM_THREADS": "1", **checkout_env()})
+    if proc.returncode != 0:
+        raise SystemExit(f"the run {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return [float(value) for value in _MS_PER_STEP.findall(proc.stdout)][1:], float(_MEMORY.findall(proc.stdout)[-1])

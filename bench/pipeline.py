@@ -13,13 +13,8 @@ layout's median step time and its ratio to no pipeline (an invariant layout's al
 
 from __future__ import annotations
 
-import re
-import tempfile
+from bench.common import launch_times, median, parser, spread, table
 
-from bench.common import DEBUG_CONFIG, checkout_env, median, parser, scratch_parent, spread, table
-from torchtitan_rng.launch.runs import run_training
-
-_MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
 # pp 2 with micro-batches of 2 samples: a schedule run of 4 micro-batches (local batch 8).
 _PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "2"]
 _BASELINE = "no pipeline (FSDP2 over all)"
@@ -34,17 +29,6 @@ _INVARIANT = ["--parallelism.world_size_invariant", "--training.local_batch_size
               "--training.global_batch_size", "8"]
 for _schedule in ("GPipe", "1F1B"):
     LAYOUTS[f"pp 2, {_schedule}, invariant"] = [*LAYOUTS[f"pp 2, {_schedule}"], *_INVARIANT]
-
-
-def step_times(overrides: list[str], nproc: int, steps: int, log_freq: int) -> list[float]:
-    """ms per step of each progress line after the first, from one launch of the trainer."""
-    with tempfile.TemporaryDirectory(dir=scratch_parent()) as dump:
-        proc = run_training(DEBUG_CONFIG, ["--job.dump_folder", dump, "--training.steps", str(steps),
-                                           "--metrics.log_freq", str(log_freq), *overrides], nproc=nproc,
-                            env={"OMP_NUM_THREADS": "1", **checkout_env()})
-    if proc.returncode != 0:
-        raise SystemExit(f"the run {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return [float(value) for value in _MS_PER_STEP.findall(proc.stdout)][1:]
 
 
 def _vs_ordinary(name: str, times: dict[str, list[float]]) -> str:
@@ -71,8 +55,8 @@ def main() -> None:
     for round_index in range(rounds):
         order = chosen if round_index % 2 == 0 else list(reversed(chosen))
         for name in order:
-            times[name] += step_times([*LAYOUTS[name], "--model.flavor", args.flavor], args.nproc, steps,
-                                      args.log_freq)
+            times[name] += launch_times([*LAYOUTS[name], "--model.flavor", args.flavor], args.nproc, steps,
+                                        args.log_freq)[0]
     baseline = median(times[_BASELINE])
     rows = [[name, f"{median(values):.1f}", spread(values), f"{median(values) / baseline:.2f}",
              _vs_ordinary(name, times)] for name, values in times.items()]

@@ -12,31 +12,14 @@ table gives each layout's median step time and peak memory, and both as ratios t
 
 from __future__ import annotations
 
-import re
-import tempfile
+from bench.common import launch_times, median, parser, spread, table
 
-from bench.common import DEBUG_CONFIG, checkout_env, median, parser, scratch_parent, spread, table
-from torchtitan_rng.launch.runs import run_training
-
-_MS_PER_STEP = re.compile(r"\s([\d.]+) ms/step")
-_MEMORY = re.compile(r"(?:peak rss|mem) ([\d.]+) GiB")
 _BASELINE = "1 process"
 # (processes, overrides): the same samples per step (local batch x data shards) on every layout.
 LAYOUTS = {
     _BASELINE: (1, []),
     "tp 2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
 }
-
-
-def measure(overrides: list[str], nproc: int, steps: int, log_freq: int) -> tuple[list[float], float]:
-    """ms per step of each progress line after the first, and rank 0's memory at the last, from one launch."""
-    with tempfile.TemporaryDirectory(dir=scratch_parent()) as dump:
-        proc = run_training(DEBUG_CONFIG, ["--job.dump_folder", dump, "--training.steps", str(steps),
-                                           "--metrics.log_freq", str(log_freq), *overrides], nproc=nproc,
-                            env={"OMP_NUM_THREADS": "1", **checkout_env()})
-    if proc.returncode != 0:
-        raise SystemExit(f"the run {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return [float(value) for value in _MS_PER_STEP.findall(proc.stdout)][1:], float(_MEMORY.findall(proc.stdout)[-1])
 
 
 def main() -> None:
@@ -56,7 +39,7 @@ def main() -> None:
         order = list(LAYOUTS) if round_index % 2 == 0 else list(reversed(LAYOUTS))
         for name in order:
             nproc, overrides = LAYOUTS[name]
-            step_ms, peak = measure([*overrides, *common], nproc, steps, args.log_freq)
+            step_ms, peak = launch_times([*overrides, *common], nproc, steps, args.log_freq)
             times[name] += step_ms
             memory[name].append(peak)
     base_time, base_memory = median(times[_BASELINE]), median(memory[_BASELINE])

@@ -17,43 +17,24 @@ from __future__ import annotations
 
 import tempfile
 
-from bench.common import median, parser, spread, table
-from bench.world_size_invariant import step_times
+from bench.common import table
+from bench.world_size_invariant import compare_modes, mode_arguments, step_times
 
 # (processes, tensor-parallel degree): the layouts compared.
 LAYOUTS = ((2, 2), (4, 2))
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0])
-    args.add_argument("--flavor", default="small", help="llama flavor (default small; bench: 85M parameters)")
-    args.add_argument("--local-batch", type=int, default=8, help="samples per micro-batch (default 8)")
-    args.add_argument("--steps", type=int, help="steps per run (default 30, 60 without --quick); progress "
-                      "lines every steps/3")
-    args = args.parse_args()
-    rounds, steps = (2, 30) if args.quick else (4, 60)
-    steps = args.steps or steps
-    log_freq = max(1, steps // 3)
+    args, rounds, steps, log_freq = mode_arguments(__doc__)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for nproc, tp in LAYOUTS:
             layout = f"tp {tp}" if nproc == tp else f"dp {nproc // tp} x tp {tp}"
-            times: dict[bool, list[float]] = {False: [], True: []}
-            memory: dict[bool, float] = {}
-            for index in range(rounds):
-                for invariant in (False, True):
-                    ms, gib = step_times(nproc, invariant, args.flavor, steps, log_freq, args.local_batch,
-                                         f"{scratch}/{nproc}-{invariant}-{index}", nproc // tp,
-                                         "--parallelism.tensor_parallel_degree", str(tp))
-                    times[invariant] += ms
-                    memory[invariant] = gib
-            for invariant, name in ((False, "ordinary (DTensor)"), (True, "world-size-invariant (chunks)")):
-                rows.append([layout, name, f"{min(times[invariant]):.1f}", f"{median(times[invariant]):.1f}",
-                             spread(times[invariant]), f"{memory[invariant]:.2f}"])
-            # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
-            rows.append([layout, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
-                         f"{median(times[True]) / median(times[False]):.3f}", "(target <= 1.25)",
-                         f"**{memory[True] / memory[False]:.2f}** (target <= 1.2)"])
+            rows += compare_modes(layout, ("ordinary (DTensor)", "world-size-invariant (chunks)"), ("1.25", "1.2"),
+                                  rounds, lambda invariant, index, nproc=nproc, tp=tp: step_times(
+                                      nproc, invariant, args.flavor, steps, log_freq, args.local_batch,
+                                      f"{scratch}/{nproc}-{invariant}-{index}", nproc // tp,
+                                      "--parallelism.tensor_parallel_degree", str(tp)))
     table(f"Benchmark 16: world-size-invariant vs ordinary tensor parallelism (llama {args.flavor}, one micro-batch "
           f"of {args.local_batch} per data shard per step, {rounds} rounds x {steps} steps, ms/step per progress line "
           f"of {log_freq} steps; memory: rank 0's peak RSS on the CPU, allocated device memory on an accelerator)",

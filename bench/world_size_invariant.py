@@ -15,11 +15,13 @@ machine's load hits both alike.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 from bench.common import DEBUG_CONFIG, REPO, median, parser, spread, table
 
@@ -45,8 +47,30 @@ def step_times(nproc: int, invariant: bool, flavor: str, steps: int, log_freq: i
     return [float(ms) for ms, _ in lines][1:], float(lines[-1][1])
 
 
-def main() -> None:
-    args = parser(__doc__.splitlines()[0])
+def compare_modes(label: object, names: tuple[str, str], targets: tuple[str, str], rounds: int,
+                  run: Callable[[bool, int], tuple[list[float], float]]) -> list[list[object]]:
+    """The table rows of one layout: the ordinary and the invariant mode (``names``), timed alternately over
+    ``rounds`` by ``run(invariant, round)``, and their ratios against ``targets`` (step time, memory)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    memory: dict[bool, float] = {}
+    for index in range(rounds):
+        for invariant in (False, True):
+            ms, gib = run(invariant, index)
+            times[invariant] += ms
+            memory[invariant] = gib
+    rows: list[list[object]] = [[label, name, f"{min(times[invariant]):.1f}", f"{median(times[invariant]):.1f}",
+                                 spread(times[invariant]), f"{memory[invariant]:.2f}"]
+                                for invariant, name in ((False, names[0]), (True, names[1]))]
+    # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
+    rows.append([label, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
+                 f"{median(times[True]) / median(times[False]):.3f}", f"(target <= {targets[0]})",
+                 f"**{memory[True] / memory[False]:.2f}** (target <= {targets[1]})"])
+    return rows
+
+
+def mode_arguments(doc: str) -> tuple[argparse.Namespace, int, int, int]:
+    """The command line of a benchmark of the two modes: (its arguments, rounds, steps per run, log_freq)."""
+    args = parser(doc.splitlines()[0])
     args.add_argument("--flavor", default="small", help="llama flavor (default small; bench: 85M parameters)")
     args.add_argument("--local-batch", type=int, default=8, help="samples per micro-batch (default 8)")
     args.add_argument("--steps", type=int, help="steps per run (default 30, 60 without --quick); progress "
@@ -54,25 +78,18 @@ def main() -> None:
     args = args.parse_args()
     rounds, steps = (2, 30) if args.quick else (4, 60)
     steps = args.steps or steps
-    log_freq = max(1, steps // 3)
+    return args, rounds, steps, max(1, steps // 3)
+
+
+def main() -> None:
+    args, rounds, steps, log_freq = mode_arguments(__doc__)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for nproc in (2, 4):
-            times: dict[bool, list[float]] = {False: [], True: []}
-            memory: dict[bool, float] = {}
-            for index in range(rounds):
-                for invariant in (False, True):
-                    ms, gib = step_times(nproc, invariant, args.flavor, steps, log_freq, args.local_batch,
-                                         f"{scratch}/{nproc}-{invariant}-{index}")
-                    times[invariant] += ms
-                    memory[invariant] = gib
-            for invariant, name in ((False, "ordinary (FSDP2)"), (True, "world-size-invariant")):
-                rows.append([nproc, name, f"{min(times[invariant]):.1f}", f"{median(times[invariant]):.1f}",
-                             spread(times[invariant]), f"{memory[invariant]:.2f}"])
-            # Other work on the machine only ever adds time: the fastest intervals are the least disturbed.
-            rows.append([nproc, "ratio invariant/ordinary", f"**{min(times[True]) / min(times[False]):.3f}**",
-                         f"{median(times[True]) / median(times[False]):.3f}", "(target <= 1.15)",
-                         f"**{memory[True] / memory[False]:.2f}** (target <= 1.25)"])
+            rows += compare_modes(nproc, ("ordinary (FSDP2)", "world-size-invariant"), ("1.15", "1.25"), rounds,
+                                  lambda invariant, index, nproc=nproc: step_times(
+                                      nproc, invariant, args.flavor, steps, log_freq, args.local_batch,
+                                      f"{scratch}/{nproc}-{invariant}-{index}"))
     table(f"Benchmark 11: world-size-invariant vs ordinary data parallelism (llama {args.flavor}, one micro-batch "
           f"of {args.local_batch} per process per step, {rounds} rounds x {steps} steps, ms/step per progress line of "
           f"{log_freq} steps; memory: rank 0's peak RSS on the CPU, allocated device memory on an accelerator)",

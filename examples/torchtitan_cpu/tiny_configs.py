@@ -62,10 +62,25 @@ def _dropping_attention() -> type:
     return DroppingDenseAttention
 
 
+def _text_run(config: Any) -> Any:
+    """A text model's run on the offline assets: its loss over the tiny vocabulary, the byte-level tokenizer, the
+    text files (validation off: ``--validator.enable`` validates on the same text), 2 sequences of 64 tokens."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
+    config.hf_assets_path = f"{ASSETS}/tokenizer"
+    config.dataloader.dataset_path = f"{ASSETS}/text"
+    config.validator.enable = False
+    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", f"{ASSETS}/text"
+    config.training.seq_len = 64
+    config.training.local_batch_size = 2
+    _cpu_layout(config)
+    return config
+
+
 def tiny_llama() -> Any:
     """torchtitan's llama3 debug config, shrunk to 2 layers of width 64, sequences of 64 tokens, batches of 2,
     with an attention that drops out (p = ``ATTENTION_DROPOUT``)."""
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers, _output_linear_init
     from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT
@@ -86,15 +101,7 @@ def tiny_llama() -> Any:
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=_output_linear_init(dim)),
         layers=layers)
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
-    config.hf_assets_path = f"{ASSETS}/tokenizer"
-    config.dataloader.dataset_path = f"{ASSETS}/text"
-    config.validator.enable = False  # --validator.enable validates on the same text
-    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", f"{ASSETS}/text"
-    config.training.seq_len = 64
-    config.training.local_batch_size = 2
-    _cpu_layout(config)
-    return config
+    return _text_run(config)
 
 
 def tiny_qwen3_moe() -> Any:
@@ -102,7 +109,6 @@ def tiny_qwen3_moe() -> Any:
     width 64 with 8 experts (top 2; expert-parallel degrees up to 8 divide them), sequences of 64 tokens, batches
     of 2, and the same attention that drops out. Routing, the experts' grouped matmuls (``torch._grouped_mm``,
     fp32 on the CPU) and the load-balancing hook are torchtitan's own; pass ``--training.disable_cuda_graphs``."""
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
@@ -121,15 +127,7 @@ def tiny_qwen3_moe() -> Any:
     model.norm = _qwen3_norm(dim)
     model.tok_embeddings = Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=_EMBEDDING_INIT)
     model.lm_head = Linear.Config(in_features=dim, out_features=VOCAB, param_init=_LINEAR_INIT)
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=VOCAB))
-    config.hf_assets_path = f"{ASSETS}/tokenizer"
-    config.dataloader.dataset_path = f"{ASSETS}/text"
-    config.validator.enable = False  # --validator.enable validates on the same text
-    config.validator.dataloader.dataset, config.validator.dataloader.dataset_path = "c4_test", f"{ASSETS}/text"
-    config.training.seq_len = 64
-    config.training.local_batch_size = 2
-    _cpu_layout(config)
-    return config
+    return _text_run(config)
 
 
 def tiny_flux() -> Any:
