@@ -162,7 +162,7 @@ CASES = {
                                                       "clipping, the batches and the weights entering the step equal: "
                                                       "the step's computation: its random draws (dropout: "
                                                       "--debug.rng_fingerprint tells), a non-deterministic kernel "
-                                                      "(--debug.fingerprint_modules_at_step 3 names the module), or "
+                                                      "(compare_losses --locate names the module), or "
                                                       "the gradients' reduction over the ranks"),
     "optimizer": (_optimizer, "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
                               "update differs (the optimizer: its state or its hyperparameters, e.g. the learning "
@@ -322,8 +322,8 @@ def test_a_divergence_that_starts_on_rank_1_is_named_on_rank_1(tmp_path: Path) -
     assert first_difference(tmp_path, a, b) == [
         "step 3, rank 1: its loss of micro-batch 0 differs, the batches and the weights entering the step equal, the "
         "losses of rank 0 equal: the forward pass on this rank, before any reduction over the ranks: its random draws "
-        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (--debug.fingerprint_modules_at_step "
-        "3 names the module)"]
+        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (compare_losses --locate names the "
+        "module)"]
     # Without losses recorded, the stream diagnosis' rank leads among the ranks whose gradients differ.
     a, b = synthetic(), _changed(_rank_1_draws_once_more)
     prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))

@@ -289,7 +289,7 @@ class _Step:
                 cause = f"its random draws differ: {drawn}"
             else:
                 cause = ("its random draws (dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel "
-                         f"(--debug.fingerprint_modules_at_step {self.step} names the module)")
+                         "(compare_losses --locate names the module)")
             return [f"{self._at(rank)}: its loss of micro-batch {index} differs, the batches and the weights "
                     f"entering the step equal{before}: the forward pass on this rank, before any reduction over the "
                     f"ranks: {cause}"]
@@ -324,8 +324,8 @@ class _Step:
         else:
             seen = "the batches and the weights entering the step equal"
             cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
-                     "non-deterministic kernel (--debug.fingerprint_modules_at_step "
-                     f"{self.step} names the module), or the gradients' reduction over the ranks")
+                     "non-deterministic kernel (compare_losses --locate names the module), or the gradients' "
+                     "reduction over the ranks")
         return [f"{self._at(rank)}: gradient of `{name}` differs before clipping, {seen}: {cause}"]
 
     def update(self) -> list[str] | None:

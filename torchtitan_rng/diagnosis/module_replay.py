@@ -22,6 +22,11 @@ from torchtitan_rng.replay import ReplayFailed, plan_replay, replay_into, verdic
 from torchtitan_rng.samples import run_checkpoints
 
 
+def _named(label: str, run: Path) -> str:
+    """``A (path)``, or ``A`` where the path is that name."""
+    return label if str(run) == label else f"{label} ({run})"
+
+
 def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: str = "") -> Iterator[str]:
     """The lines of ``--locate`` for the runs' first difference ``finding`` (one inside a step's computation), as
     they come: each replay's start and whether it reproduced its run's loss, then the module calls that part
@@ -33,13 +38,13 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
     plans = {}
     for label, run in runs.items():  # both checked before either is launched
         if not run_checkpoints(run):
-            raise ConfigError(f"--locate cannot rebuild {label} ({run}): its dump folder holds no complete "
+            raise ConfigError(f"--locate cannot rebuild {_named(label, run)}: its dump folder holds no complete "
                               "checkpoint, whose run.json records the config to replay from; train it with "
                               "--checkpoint.enable, its checkpoints in the dump folder (--locate looks nowhere else)")
         try:
             plans[label] = plan_replay(run, step, trusted_module=trusted_module, observe=observe)
         except TorchtitanRngError as err:
-            raise ConfigError(f"--locate cannot rebuild {label} ({run}): {err}") from None
+            raise ConfigError(f"--locate cannot rebuild {_named(label, run)}: {err}") from None
     yield f"--locate: replaying step {step} of A and B with module hooks"
     with tempfile.TemporaryDirectory(prefix="locate-") as scratch:
         dumps = []
@@ -48,10 +53,10 @@ def locate_module(run_a: Path, run_b: Path, finding: Finding, trusted_module: st
             try:
                 done = replay_into(plan, dump)
             except TorchtitanRngError as err:  # the run's own start (its initial_load_path) not at hand
-                raise ConfigError(f"--locate cannot rebuild {label} ({runs[label]}): {err}") from None
+                raise ConfigError(f"--locate cannot rebuild {_named(label, runs[label])}: {err}") from None
             except ReplayFailed as err:
-                raise TorchtitanRngError(f"--locate: the replay of {label} ({runs[label]}) failed (exit {err.code}); "
-                                         "its processes' output is above") from None
+                raise TorchtitanRngError(f"--locate: the replay of {_named(label, runs[label])} failed (exit "
+                                         f"{err.code}); its processes' output is above") from None
             _, reproduced = verdict(step, done.replayed, plan.logged)
             yield f"replayed {label} on {plan.processes} process(es) from {done.start}: {reproduced}"
             dumps.append(dump)
