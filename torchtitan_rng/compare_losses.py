@@ -11,23 +11,30 @@ random stream differed first, on which rank (see divergence.py); when both ran w
 which tensor differed first: a batch, a module's output, a gradient, a parameter (see locator.py). Where the
 runs are torchtitan's (the plug-in), whose runs record no fingerprints, it says what tells there instead.
 ``--plot out.png`` draws both curves and their difference (needs matplotlib).
+
+``--locate`` goes down to the module where the first tensor that differs is inside a step's computation (the
+batches and the weights entering the step equal; a module's output, a loss or a gradient not): it replays that
+step of each run, from its newest checkpoint before the step or from its start, with every module call
+fingerprinted, and prints per rank the first call whose inputs are equal and whose output differs (see
+diagnosis/module_replay.py). A run trained with a ``job.custom_module`` is replayed only when the same module is
+named (``--job.custom_module NAME``). The exit codes stay those above; a run that cannot be replayed is one
+``error:`` line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, first_stream_divergence
-from torchtitan_rng.diagnosis.locator import Draws, TensorPrints
+from torchtitan_rng.diagnosis.locator import Draws, Finding, TensorPrints
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
-from torchtitan_rng.errors import TorchtitanRngError, report
-from torchtitan_rng.loss_log import read_loss_log
+from torchtitan_rng.errors import TorchtitanRngError, report, torch_missing
+from torchtitan_rng.loss_log import read_loss_log, same_bits
 
 
 # What tells where torchtitan trained a run (the plug-in records no stream fingerprints; these are what it has).
@@ -63,10 +70,6 @@ def _torchtitan_run(run: Path) -> bool:
             continue
         return isinstance(config, dict) and "dump_folder" in config and "job.dump_folder" not in config
     return False
-
-
-def same_bits(a: float, b: float) -> bool:
-    return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
 
 
 def _span(steps: list[int]) -> str:
@@ -120,10 +123,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="compare the steps both logs hold (e.g. a run resumed from an older checkpoint)")
     parser.add_argument("--plot", type=Path, metavar="OUT.png",
                         help="draw both loss curves and their difference, the first divergence marked")
+    parser.add_argument("--locate", action="store_true",
+                        help="where the first tensor that differs is inside a step's computation (both runs trained "
+                             "with --debug.tensor_fingerprint and checkpoints): replay that step of each run with "
+                             "module hooks and name, per rank, the first module call whose inputs are equal and "
+                             "whose output differs")
+    parser.add_argument("--job.custom_module", dest="custom_module", default="", metavar="NAME",
+                        help="with --locate: the module a run was trained with (job.custom_module); a run's own is "
+                             "never imported unless named here")
     args = parser.parse_args(argv)
     try:
         if args.plot is not None:
             pyplot()  # fail on a missing matplotlib before comparing anything
+        if args.locate and (missing := torch_missing("compare_losses --locate")) is not None:
+            raise missing
         records_a, records_b = read_loss_log(args.run_a), read_loss_log(args.run_b)
         prints = TensorPrints(args.run_a, args.run_b)
     except TorchtitanRngError as err:
@@ -144,7 +157,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         plot_losses(records_a, records_b, result.first_step if result.loss_differs else None, args.plot)
         print(f"plot written to {args.plot}")
+    if args.locate:
+        finding = prints.finding(result.first_step if result.loss_differs else None, draws)
+        try:
+            for line in _locate(args.run_a, args.run_b, prints, finding, args.custom_module):
+                print(line, flush=True)  # the replays' own output (stderr) comes between
+        except TorchtitanRngError as err:
+            return report(err)
     return 0 if result.equal else 1
+
+
+def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | None,
+            trusted_module: str) -> Iterator[str]:
+    """``--locate``'s lines: the module calls that part first, or why there is nothing to replay."""
+    if prints.a is None or prints.b is None:
+        yield ("--locate: nothing to replay: it needs both runs' tensor fingerprints (--debug.tensor_fingerprint) "
+               "to find a step whose computation differs")
+    elif finding is None:
+        yield "--locate: nothing to replay: every tensor fingerprint equal"
+    elif not finding.in_computation:
+        yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not in a step's "
+               "forward or backward from equal batches and weights, split alike over the same ranks")
+    else:
+        # Imported here: replaying needs torch, which comparing does not.
+        from torchtitan_rng.diagnosis.module_replay import locate_module
+
+        yield from locate_module(run_a, run_b, finding, trusted_module)
 
 
 if __name__ == "__main__":

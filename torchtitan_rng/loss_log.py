@@ -18,6 +18,7 @@ import json
 import math
 import os
 import stat
+import struct
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -28,6 +29,11 @@ LOSS_LOG_NAME = "loss_log.jsonl"
 
 class LossLogError(TorchtitanRngError, ValueError):
     """A loss log that cannot be read or written; the message names the file (and line) and why."""
+
+
+def same_bits(a: float, b: float) -> bool:
+    """Whether two logged values are the same float64, bit for bit."""
+    return struct.pack("<d", float(a)) == struct.pack("<d", float(b))
 
 
 def _drop_cut_line(path: Path) -> None:

@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,10 @@ from torchtitan_rng.checkpoint import integrity, layout, run_record
 from torchtitan_rng.checkpoint.layout import METADATA_NAME, CheckpointInfo
 from torchtitan_rng.checkpoint.dcp_io import inspect_checkpoint
 from torchtitan_rng.checkpoint.storage import Location, is_url
-from torchtitan_rng.compare_losses import same_bits
 from torchtitan_rng.config import JobConfig, from_values, to_flags
 from torchtitan_rng.errors import CheckpointError, ConfigError, TorchtitanRngError, report
 from torchtitan_rng.launch.runs import launch_command
-from torchtitan_rng.loss_log import read_loss_log
+from torchtitan_rng.loss_log import read_loss_log, same_bits
 from torchtitan_rng.parallel import mode_of
 from torchtitan_rng.replay_step import REPORT_NAME, total_norm
 from torchtitan_rng.samples import (FOLDER_HELP, as_launched, format_keys, no_checkpoint, run_checkpoints,
@@ -150,10 +150,32 @@ def _replay_on(config: JobConfig, processes: int) -> dict[str, Any]:
     return json.loads(report_file.read_text())
 
 
-def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
-    """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
-    newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
-    ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
+@dataclass
+class ReplayPlan:
+    """A replay checked and ready to launch: the run's step, the checkpoint it starts from (None: the run's start),
+    the config values it trains with, on how many processes, and the run's loss log line of the step."""
+    step: int
+    checkpoint: Location | None
+    values: dict[str, Any]
+    processes: int
+    logged: dict[str, Any]
+
+
+@dataclass
+class Replayed:
+    """A step replayed into a dump folder: where it started (in words), its config, rank 0's report
+    (replay_step.py) and the replay's loss log line of the step."""
+    start: str
+    config: JobConfig
+    seen: dict[str, Any]
+    replayed: dict[str, Any]
+
+
+def plan_replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "",
+                observe: dict[str, Any] | None = None) -> ReplayPlan:
+    """Check that ``step`` of ``run`` can be replayed (see the module's docstring), launching nothing; ``observe``:
+    config values (``section.key``) set on top of the run's, for keys that only observe (quiet ones:
+    ``debug.tensor_fingerprint``)."""
     if step < 1:
         raise ConfigError(f"--step {step}: steps count from 1")
     if processes is not None and processes < 1:
@@ -165,22 +187,35 @@ def replay(run: Path, step: int, processes: int | None = None, trusted_module: s
     if not checkpoints:
         raise no_checkpoint(run, folder, "the run's config")
     checkpoint, recorded = _start(checkpoints, step, trusted_module)
-    values = as_launched(run, recorded)
+    values = {**as_launched(run, recorded), **(observe or {})}
     integrity.verify_files(checkpoints[-1], [METADATA_NAME], integrity.TOOL_ADVICE)  # checked before it is read
     info = inspect_checkpoint(checkpoints[-1])
     processes = processes or info.saved_world_size or 1
     _refuse_other_counts(info, values, processes)
-    with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
-        dump = Path(scratch) / "replay"
-        run_start = _run_start(values, dump) if checkpoint is None else None
-        config = _replay_config(values, checkpoint or run_start, step, dump)
-        seen = _replay_on(config, processes)
-        replayed = read_loss_log(dump)[step]
-    offset_of = token_offsets(config, trusted_module)
-    start = (f"checkpoint {checkpoint}" if checkpoint is not None
+    return ReplayPlan(step, checkpoint, values, processes, logged[step])
+
+
+def replay_into(plan: ReplayPlan, dump: Path) -> Replayed:
+    """Launch ``plan`` into the new dump folder ``dump``; what it saw."""
+    run_start = _run_start(plan.values, dump) if plan.checkpoint is None else None
+    config = _replay_config(plan.values, plan.checkpoint or run_start, plan.step, dump)
+    seen = _replay_on(config, plan.processes)
+    start = (f"checkpoint {plan.checkpoint}" if plan.checkpoint is not None
              else f"checkpoint {run_start}, the run's checkpoint.initial_load_path" if run_start is not None
              else "the start (no checkpoint before it)")
-    print(f"replayed step {step} of {run} on {processes} process(es) from {start}")
+    return Replayed(start, config, seen, read_loss_log(dump)[plan.step])
+
+
+def replay(run: Path, step: int, processes: int | None = None, trusted_module: str = "", folder: str = "") -> int:
+    """Replay ``step`` of ``run`` (see the module's docstring) on ``processes`` (None: as many as trained its
+    newest checkpoint), from its checkpoints in ``folder`` (its ``checkpoint.folder``; "": in ``run``);
+    ``trusted_module``: the user's ``--job.custom_module``, the only module the replay may import."""
+    plan = plan_replay(run, step, processes, trusted_module, folder)
+    with tempfile.TemporaryDirectory(prefix="replay-") as scratch:
+        done = replay_into(plan, Path(scratch) / "replay")
+    seen, replayed = done.seen, done.replayed
+    offset_of = token_offsets(done.config, trusted_module)
+    print(f"replayed step {step} of {run} on {plan.processes} process(es) from {done.start}")
     logged_keys = replayed[SAMPLES_FIELD]
     keys_of = [torch.tensor(logged_keys[entry]).tensor_split(parts)[part].tolist()
                for entry, part, parts in seen["micro_batch_samples"]]
@@ -195,7 +230,7 @@ def replay(run: Path, step: int, processes: int | None = None, trusted_module: s
     skipped = " (skipped: no update)" if replayed.get("skipped") else ""
     print(f"step {step}: grad_norm per block (before clipping): {_blocks(seen['step_grads'])}")
     print(f"step {step}: update norm {seen['update_norm']:.6g}{skipped}")
-    equal, line = verdict(step, replayed, logged[step])
+    equal, line = verdict(step, replayed, plan.logged)
     print(line)
     return 0 if equal else 1
 

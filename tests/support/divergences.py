@@ -5,6 +5,8 @@ tests/support/launch.py run_env). Each builds the same weights as ``llama``; wha
 
 * ``llama_noisy_attention``: ``layers.0.attn`` returns its output plus noise from a generator seeded by the OS
   (a non-deterministic operation inside one module: two runs differ there and nowhere before it);
+* ``llama_noisy_after_load``: ``llama_noisy_attention`` from its first checkpoint load on (a resumed run computes
+  otherwise from the step it resumes at; a run that loads nothing is ``llama`` itself);
 * ``llama_bad_load``: loading a checkpoint nudges one element of ``layers.1.ffn.up.weight`` by one ulp (a
   parameter perturbed at a resume; a run that loads nothing is ``llama`` itself);
 * ``llama_bad_optimizer``: before the update of step 4, one element of the AdamW ``exp_avg`` of
@@ -50,6 +52,10 @@ def make_noisy(module: nn.Module) -> None:
 
 def _noisy_attention(model: nn.Module) -> None:
     make_noisy(model.layers[0].attn)
+
+
+def _noisy_after_load(model: nn.Module) -> None:
+    model.register_load_state_dict_post_hook(lambda module, keys: make_noisy(model.layers[0].attn))
 
 
 def _bad_load(model: nn.Module) -> None:
@@ -100,7 +106,8 @@ def _with(fault: Callable[[nn.Module], None]) -> Callable[[JobConfig], nn.Module
     return build
 
 
-for _name, _fault in (("llama_noisy_attention", _noisy_attention), ("llama_bad_load", _bad_load),
+for _name, _fault in (("llama_noisy_attention", _noisy_attention), ("llama_noisy_after_load", _noisy_after_load),
+                      ("llama_bad_load", _bad_load),
                       ("llama_bad_optimizer", _bad_optimizer), ("llama_transposed_load", _transposed_load),
                       ("llama_no_dropout", _no_dropout)):
     register_train_spec(replace(LLAMA, name=_name, build_model=_with(_fault)))

@@ -1,6 +1,6 @@
-"""Loading never executes code: ``samples`` and ``replay`` import no module a checkpoint's ``run.json`` names
-(``job.custom_module``) unless the user names it on their command line, and check the checkpoint's files before
-reading any value. Real checkpoints written in this process by the CheckpointManager; a module whose import
+"""Loading never executes code: ``samples``, ``replay`` and ``compare_losses --locate`` import no module a
+checkpoint's ``run.json`` names (``job.custom_module``) unless the user names it on their command line, and check
+the checkpoint's files before reading any value. Real checkpoints written in this process by the CheckpointManager; a module whose import
 leaves a mark (a file) stands for the code."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.support.launch import REPO
-from torchtitan_rng import replay, resume, samples
+from tests.unit.test_tensor_locator import _changed, _gradient, synthetic, write
+from torchtitan_rng import compare_losses, replay, resume, samples
 from torchtitan_rng.checkpoint.manager import CheckpointManager
 from torchtitan_rng.config import JobConfig, parse_args
 
@@ -116,6 +117,31 @@ def test_replay_hands_the_ranks_the_module_the_user_names(tmp_path: Path, token_
     monkeypatch.setattr(replay, "_replay_on", _ranks_of(launched))
     assert replay.main([str(dump), "--step", "3", "--job.custom_module", name]) == 3
     assert [config.job.custom_module for config in launched] == [name] and mark.exists()
+
+
+def test_locate_imports_no_module_a_run_names(tmp_path: Path, token_files: dict[str, Path],
+                                              marking_module: tuple[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Two runs whose gradients part at step 2 (fingerprints written beside real checkpoints of step 2): --locate
+    refuses in one line, before launching either replay, unless the module is named; control: named, the first
+    replay is launched with it, from the run's start (no checkpoint before step 2), module hooks at step 2."""
+    name, mark = marking_module
+    a = write(_run(tmp_path / "a", token_files["bin"], name), synthetic())
+    b = write(_run(tmp_path / "b", token_files["bin"], name), _changed(_gradient))
+    launched: list[JobConfig] = []
+    monkeypatch.setattr(replay, "_replay_on", _ranks_of(launched))
+    assert compare_losses.main([str(a), str(b), "--locate"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"error: --locate cannot rebuild A ({a}): checkpoint {a / 'checkpoint' / 'step-2'} was trained with "
+        f"job.custom_module {name!r}, code that is imported only when you name it: pass --job.custom_module {name} "
+        "if you trust it\n")
+    assert not mark.exists() and name not in sys.modules and not launched
+    assert compare_losses.main([str(a), str(b), "--locate", "--job.custom_module", name]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (f"error: --locate: the replay of A ({a}) failed (exit 3); its "
+                                                        "processes' output is above\n")
+    assert [(config.job.custom_module, config.debug.tensor_fingerprint, config.debug.fingerprint_modules_at_step,
+             config.checkpoint.initial_load_path, config.training.steps) for config in launched] == [
+        (name, True, 2, "", 2)] and mark.exists()
 
 
 def test_samples_imports_no_module_a_checkpoint_names(tmp_path: Path, token_files: dict[str, Path],

@@ -130,3 +130,14 @@ def test_tools_under_a_python_without_torch(tool: str, bare_python: Path, tmp_pa
     assert list(tmp_path.iterdir()) == []
     control = launch([sys.executable, *command], cwd=tmp_path)  # forked warm: this Python's torch is imported
     assert control.returncode == 2 and "cannot import torch" not in control.stderr, control.stderr
+
+
+def test_locate_under_a_python_without_torch(bare_python: Path, tmp_path: Path) -> None:
+    """compare_losses compares without torch; --locate replays, which needs it: one line before any log is read.
+    Control: without --locate the same Python gets to the logs (and refuses the missing ones)."""
+    command = [str(bare_python), "-m", "torchtitan_rng.compare_losses", "A", "B"]
+    assert_refused(_run([*command, "--locate"], tmp_path), f"{bare_python} cannot import torch, which python -m "
+                   "torchtitan_rng.compare_losses --locate needs", "run it with the Python that trains")
+    control = _run(command, tmp_path)
+    assert control.returncode == 2 and "cannot import torch" not in control.stderr, control.stderr
+    assert list(tmp_path.iterdir()) == []

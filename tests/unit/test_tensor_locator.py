@@ -23,7 +23,8 @@ from tests.support.ranks import end_rank
 
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
-from torchtitan_rng.diagnosis.locator import Draws, TensorPrints, locate, prints_path, read_prints
+from torchtitan_rng.diagnosis.locator import (Draws, TensorPrints, locate, module_origins, prints_path,
+                                             read_prints)
 from torchtitan_rng.diagnosis.tensor_fingerprints import (TensorFingerprints, build_tensor_fingerprints, row_hashes,
                                                            tensor_hash)
 from torchtitan_rng.loss_log import LossLogError
@@ -161,7 +162,7 @@ CASES = {
                                                       "clipping, the batches and the weights entering the step equal: "
                                                       "the step's computation: its random draws (dropout: "
                                                       "--debug.rng_fingerprint tells), a non-deterministic kernel "
-                                                      "(--debug.fingerprint_modules_at_step 3 names the module), or "
+                                                      "(compare_losses --locate names the module), or "
                                                       "the gradients' reduction over the ranks"),
     "optimizer": (_optimizer, "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
                               "update differs (the optimizer: its state or its hyperparameters, e.g. the learning "
@@ -321,8 +322,8 @@ def test_a_divergence_that_starts_on_rank_1_is_named_on_rank_1(tmp_path: Path) -
     assert first_difference(tmp_path, a, b) == [
         "step 3, rank 1: its loss of micro-batch 0 differs, the batches and the weights entering the step equal, the "
         "losses of rank 0 equal: the forward pass on this rank, before any reduction over the ranks: its random draws "
-        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (--debug.fingerprint_modules_at_step "
-        "3 names the module)"]
+        "(dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel (compare_losses --locate names the "
+        "module)"]
     # Without losses recorded, the stream diagnosis' rank leads among the ranks whose gradients differ.
     a, b = synthetic(), _changed(_rank_1_draws_once_more)
     prints_a, prints_b = read_prints(write(tmp_path / "a", a)), read_prints(write(tmp_path / "b", b))
@@ -416,6 +417,83 @@ def test_a_step_written_twice_counts_by_its_later_line(tmp_path: Path) -> None:
     assert locate(read_prints(a), read_prints(b)) is None  # type: ignore[arg-type]
     path.write_text("\n".join([*lines, json.dumps(bad)]) + "\n")  # control: the bad line last
     assert locate(read_prints(a), read_prints(b)).step == 3  # type: ignore[arg-type, union-attr]
+
+
+# The kinds inside a step's computation (the batches and the weights entering it equal): what --locate replays.
+IN_COMPUTATION = {"kernel", "between", "gradient", "gradient_plain_step"}
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_a_difference_inside_the_computation_is_marked_for_a_replay(tmp_path: Path, kind: str) -> None:
+    prints_a, prints_b = (read_prints(write(tmp_path / "a", synthetic())),
+                          read_prints(write(tmp_path / "b", _changed(CASES[kind][0]))))
+    assert prints_a is not None and prints_b is not None
+    found = locate(prints_a, prints_b)
+    assert found is not None and found.in_computation == (kind in IN_COMPUTATION)
+
+
+def test_module_origins_name_per_rank_the_first_call_with_equal_inputs(tmp_path: Path) -> None:
+    def noisy(lines: Lines) -> None:
+        _kernel(lines)  # rank 0: micro-batch 1's layers.0.attn (call 5), the call after it from its input on
+        lines[2][1]["modules"][1][2][0] += 1  # rank 1: micro-batch 0's layers.0.attn (call 2)
+        lines[2][1]["modules"][2][1][0] += 1
+        lines[2][1]["modules"][4][2][0] += 1  # and later ones, which must not be named
+        lines[2][1]["modules"][5][1][0] += 1
+        lines[2][1]["modules"][4][3:] = [1]  # a draw in B only, after the first difference
+
+    prints_a, prints_b = read_prints(write(tmp_path / "a", synthetic())), read_prints(write(tmp_path / "b",
+                                                                                        _changed(noisy)))
+    assert prints_a is not None and prints_b is not None
+    assert module_origins(prints_a, prints_b, 2) == [
+        "step 2, rank 0: module layers.0.attn (call 5 of the step): inputs equal, output differs",
+        "step 2, rank 1: module layers.0.attn (call 2 of the step): inputs equal, output differs"]
+    # A call whose input differs first, a call that drew otherwise, and the control: nothing differs.
+    between = read_prints(write(tmp_path / "between", _changed(_between_modules)))
+    assert between is not None and module_origins(prints_a, between, 2) == [
+        "step 2, rank 1: module layers.0.attn (call 2 of the step): input differs, every call that ended before it "
+        "equal: the difference arose outside any module (code between modules)"]
+    drew = synthetic(draws=True)
+    drew[2][0]["modules"][1][2][0] += 1
+    drew[2][0]["modules"][1][3] += 1
+    drawn = read_prints(write(tmp_path / "drew", drew))
+    assert drawn is not None and module_origins(read_prints(write(tmp_path / "d", synthetic(draws=True))), drawn,
+                                                2) == ["step 2, rank 0: module layers.0.attn (call 2 of the step): "
+                                                       "inputs equal, output differs; its random draws differ"]
+    assert module_origins(prints_a, prints_a, 2) == []
+
+
+def _lines(out: str) -> list[str]:
+    return out.splitlines()
+
+
+def test_compare_losses_locate_replays_only_a_computation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--locate keeps the verdict and its exit code where there is nothing to replay: a data difference, equal
+    fingerprints (the control), runs without fingerprints; a computation in runs without checkpoints is one line,
+    exit 2 (the replays, with checkpoints: tests/unit/test_code_from_checkpoints.py, tests/e2e)."""
+    a, data = write(tmp_path / "a", synthetic()), write(tmp_path / "data", _changed(_data))
+    _loss_log(a, [3.0, 2.5, 2.0, 1.5])
+    _loss_log(data, [3.0, 2.5, 2.25, 1.5])
+    assert compare_main([str(a), str(data), "--locate"]) == 1
+    out = _lines(capsys.readouterr().out)
+    assert out[-2].endswith(CASES["data"][1]) and out[-1] == (
+        "--locate: nothing to replay: the first difference (step 3, above) is not in a step's forward or backward "
+        "from equal batches and weights, split alike over the same ranks")
+    assert compare_main([str(a), str(a), "--locate"]) == 0
+    assert _lines(capsys.readouterr().out) == ["identical: 4 steps (1..4) with bitwise-equal losses",
+                                               "--locate: nothing to replay: every tensor fingerprint equal"]
+    _loss_log(tmp_path / "plain", [3.0, 2.5, 2.0, 1.5])
+    assert compare_main([str(tmp_path / "plain"), str(tmp_path / "plain"), "--locate"]) == 0
+    assert _lines(capsys.readouterr().out)[-1] == ("--locate: nothing to replay: it needs both runs' tensor "
+                                                   "fingerprints (--debug.tensor_fingerprint) to find a step whose "
+                                                   "computation differs")
+    gradient = write(tmp_path / "gradient", _changed(_gradient))
+    _loss_log(gradient, [3.0, 2.5, 2.25, 1.5])
+    assert compare_main([str(a), str(gradient), "--locate"]) == 2
+    captured = capsys.readouterr()
+    assert _lines(captured.out)[-1].endswith(CASES["gradient"][1])  # nothing said of a replay: none ran
+    assert captured.err == (f"error: --locate cannot rebuild A ({a}): its dump folder holds no complete checkpoint, "
+                            "whose run.json records the config to replay from; train it with --checkpoint.enable, "
+                            "its checkpoints in the dump folder (--locate looks nowhere else)\n")
 
 
 def test_reports_for_runs_without_fingerprints(tmp_path: Path) -> None:

@@ -80,6 +80,9 @@ def read_prints(run: Path) -> RunPrints | None:
 class Finding:
     step: int
     lines: list[str]
+    # Whether it is inside the step's computation (a module's output, a loss or a gradient differs, the batches
+    # and the weights entering the step equal, the same split on the same ranks): what a replay can narrow down.
+    in_computation: bool = False
 
 
 @dataclass
@@ -286,7 +289,7 @@ class _Step:
                 cause = f"its random draws differ: {drawn}"
             else:
                 cause = ("its random draws (dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel "
-                         f"(--debug.fingerprint_modules_at_step {self.step} names the module)")
+                         "(compare_losses --locate names the module)")
             return [f"{self._at(rank)}: its loss of micro-batch {index} differs, the batches and the weights "
                     f"entering the step equal{before}: the forward pass on this rank, before any reduction over the "
                     f"ranks: {cause}"]
@@ -321,8 +324,8 @@ class _Step:
         else:
             seen = "the batches and the weights entering the step equal"
             cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
-                     "non-deterministic kernel (--debug.fingerprint_modules_at_step "
-                     f"{self.step} names the module), or the gradients' reduction over the ranks")
+                     "non-deterministic kernel (compare_losses --locate names the module), or the gradients' "
+                     "reduction over the ranks")
         return [f"{self._at(rank)}: gradient of `{name}` differs before clipping, {seen}: {cause}"]
 
     def update(self) -> list[str] | None:
@@ -401,11 +404,41 @@ def locate(a: RunPrints, b: RunPrints, up_to: int | None = None, draws: Draws | 
         if up_to is not None and step > up_to:
             break
         checks = _Step(a, b, step, draws)
-        for check in (checks.entering, checks.data, checks.modules, checks.losses, checks.gradients, checks.update):
+        computation = (checks.modules, checks.losses, checks.gradients)
+        for check in (checks.entering, checks.data, *computation, checks.update):
             lines = check()
             if lines is not None:
-                return Finding(step, lines)
+                return Finding(step, lines, check in computation and checks.same_split)
     return None
+
+
+def module_origins(a: RunPrints, b: RunPrints, step: int) -> list[str]:
+    """Per rank, in its execution order (the order calls ended), the first module call of ``step`` whose output
+    differs: ``step 6, rank 1: module layers.0.attn (call 3 of the step): inputs equal, output differs``, or
+    where its input differs too, or the modules ran otherwise, that instead. A rank whose calls are all equal (or
+    that recorded none) has no line."""
+    lines = []
+    for rank, (line_a, line_b) in enumerate(zip(a.ranks(step), b.ranks(step))):
+        calls_a, calls_b = line_a.get("modules") or [], line_b.get("modules") or []
+        for index, (call_a, call_b) in enumerate(zip(calls_a, calls_b), start=1):
+            (name, inputs_a, outputs_a), (name_b, inputs_b, outputs_b) = call_a[:3], call_b[:3]
+            where = f"step {step}, rank {rank}: module {name} (call {index} of the step)"
+            if name != name_b:
+                lines.append(f"{where}: B called {name_b} there: the modules ran in another order (another model)")
+            elif inputs_a != inputs_b:
+                lines.append(f"{where}: input differs, every call that ended before it equal: the difference arose "
+                             "outside any module (code between modules)")
+            elif outputs_a != outputs_b:
+                drew = "" if call_a[3:] == call_b[3:] else "; its random draws differ"
+                lines.append(f"{where}: inputs equal, output differs{drew}")
+            else:
+                continue
+            break
+        else:
+            if len(calls_a) != len(calls_b):
+                lines.append(f"step {step}, rank {rank}: the modules ran another number of times (A {len(calls_a)} "
+                             f"calls, B {len(calls_b)}): another model or schedule")
+    return lines
 
 
 class TensorPrints:
@@ -431,6 +464,11 @@ class TensorPrints:
                 return True
         return False
 
+    def finding(self, up_to: int | None = None, draws: Draws | None = None) -> Finding | None:
+        """The first difference up to step ``up_to`` (see :func:`locate`); None where nothing differs or a run
+        has no fingerprints."""
+        return locate(self.a, self.b, up_to, draws) if self.a is not None and self.b is not None else None
+
     def report(self, up_to: int | None = None, draws: Draws | None = None) -> tuple[str, list[str]]:
         """("found", lines) naming the first difference; ("equal", lines) when every fingerprint matched;
         ("absent", lines) when one run has none (a hint), or ("absent", []) when neither has any."""
@@ -440,7 +478,7 @@ class TensorPrints:
         if a is None or b is None:
             return "absent", [f"tensor fingerprints only in {'B' if a is None else 'A'}: run both with "
                               "--debug.tensor_fingerprint to learn which tensor differed first"]
-        finding = locate(a, b, up_to, draws)
+        finding = self.finding(up_to, draws)
         if finding is None:
             span = f"up to step {up_to}" if up_to is not None else "at every step both hold"
             return "equal", [f"every tensor fingerprint equal {span} (batches, gradients, parameters, optimizer "
