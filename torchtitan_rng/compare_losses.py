@@ -33,7 +33,7 @@ from typing import Any, Iterator
 from torchtitan_rng.diagnosis.divergence import ADVICE, describe, diagnose, first_stream_divergence
 from torchtitan_rng.diagnosis.locator import Draws, Finding, TensorPrints
 from torchtitan_rng.diagnosis.plot import plot_losses, pyplot
-from torchtitan_rng.errors import TorchtitanRngError, report, torch_missing
+from torchtitan_rng.errors import ConfigError, TorchtitanRngError, report, torch_missing
 from torchtitan_rng.loss_log import read_loss_log, same_bits
 
 
@@ -178,6 +178,11 @@ def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | N
     elif not finding.in_computation:
         yield (f"--locate: nothing to replay: the first difference (step {finding.step}, above) is not in a step's "
                "forward or backward from equal batches and weights, split alike over the same ranks")
+    elif prints.outside_the_trainer():
+        raise ConfigError("--locate replays steps of this project's trainer, and these runs were trained elsewhere "
+                          "(ExactResume, the HF Trainer or Lightning integration, the torchtitan plug-in): rerun both "
+                          f"with fingerprint_modules_at_step {finding.step} and compare them again (each module call "
+                          "is then compared)")
     else:
         # Imported here: replaying needs torch, which comparing does not.
         from torchtitan_rng.diagnosis.module_replay import locate_module

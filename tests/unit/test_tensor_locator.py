@@ -761,3 +761,27 @@ def test_a_weight_loaded_transposed_or_with_rows_permuted_is_named_as_the_load(t
             f"the first tensor that differs: step 3, rank 0: parameter `{name}` entering the step differs, before "
             "any batch (B resumed here: what the resume loaded differs: the checkpoint or its loading, not this "
             "step's training)"]), name
+
+
+def test_runs_recorded_outside_the_trainer_are_told_their_own_option_and_not_replayed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs of ExactResume, the HF Trainer, Lightning or the torchtitan plug-in (their config has no
+    ``job.dump_folder``): the hint names their fingerprint_modules_at_step, and --locate refuses in one line, exit 2,
+    where it would replay. Control: the trainer's runs are told compare_losses --locate."""
+    elsewhere = {"dump_folder": "./outputs", "training.max_norm": 1.0}
+    a = write(tmp_path / "a", synthetic(config=elsewhere))
+    b = write(tmp_path / "b", _changed(_gradient_at_a_plain_step, config=elsewhere))
+    for run in (a, b):
+        _loss_log(run, [3.0, 2.5, 2.0, 1.5] if run == a else [3.0, 2.5, 2.0, 1.25])
+    assert compare_main([str(a), str(b), "--locate"]) == 2
+    captured = capsys.readouterr()
+    assert "(rerun both with fingerprint_modules_at_step 3: it names the module)" in captured.out, captured.out
+    assert "--locate" not in captured.out
+    assert captured.err == ("error: --locate replays steps of this project's trainer, and these runs were trained "
+                            "elsewhere (ExactResume, the HF Trainer or Lightning integration, the torchtitan plug-in): "
+                            "rerun both with fingerprint_modules_at_step 3 and compare them again (each module call "
+                            "is then compared)\n")
+    trainer = {"job.dump_folder": "./outputs", "training.max_norm": 1.0}
+    assert first_difference(tmp_path / "own", synthetic(config=trainer),
+                            _changed(_gradient_at_a_plain_step, config=trainer))[0].endswith(
+        "(compare_losses --locate names the module), or the gradients' reduction over the ranks")

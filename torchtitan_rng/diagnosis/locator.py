@@ -151,6 +151,14 @@ def _whole(lines: list[dict[str, int] | None], sharded: set[str]) -> dict[str, i
     return whole
 
 
+def recorded_outside_the_trainer(run: RunPrints) -> bool:
+    """Whether ``run``'s fingerprints were recorded outside this project's trainer (ExactResume, the HF and
+    Lightning integrations, the torchtitan plug-in: their config, unlike the trainer's, has no
+    ``job.dump_folder``), where ``compare_losses --locate`` cannot replay a step."""
+    config = run.config(min(run.steps))[1] if run.steps else None
+    return config is not None and "job.dump_folder" not in config
+
+
 class _Step:
     """One step of both runs, checked in the order the step makes its tensors."""
 
@@ -165,6 +173,12 @@ class _Step:
 
     def _at(self, rank: int | None) -> str:
         return f"step {self.step}" + (f", rank {rank}" if rank is not None and self.same_ranks else "")
+
+    def _modules_hint(self, what: str) -> str:
+        """What looks at this step's module calls where the runs were trained, and ``what`` it does."""
+        if recorded_outside_the_trainer(self.a) or recorded_outside_the_trainer(self.b):
+            return f"rerun both with fingerprint_modules_at_step {self.step}: it {what}"
+        return f"compare_losses --locate {what}"
 
     def _drawn(self, rank: int) -> str | None:
         """The random streams of ``rank`` the stream diagnosis named, as a clause; None where it named none."""
@@ -289,7 +303,7 @@ class _Step:
                 cause = f"its random draws differ: {drawn}"
             else:
                 cause = ("its random draws (dropout: --debug.rng_fingerprint tells) or a non-deterministic kernel "
-                         "(compare_losses --locate names the module)")
+                         f"({self._modules_hint('names the module')})")
             return [f"{self._at(rank)}: its loss of micro-batch {index} differs, the batches and the weights "
                     f"entering the step equal{before}: the forward pass on this rank, before any reduction over the "
                     f"ranks: {cause}"]
@@ -319,12 +333,12 @@ class _Step:
                      "reduction over the ranks")
         elif all("loss" in line for line in self.lines_a + self.lines_b):
             seen = "the batches, the weights entering the step and every rank's losses equal"
-            cause = ("the backward pass: a non-deterministic kernel (--debug.fingerprint_modules_at_step "
-                     f"{self.step} rules out the forward), or the gradients' reduction over the ranks")
+            cause = (f"the backward pass: a non-deterministic kernel ({self._modules_hint('rules out the forward')}), "
+                     "or the gradients' reduction over the ranks")
         else:
             seen = "the batches and the weights entering the step equal"
             cause = ("the step's computation: its random draws (dropout: --debug.rng_fingerprint tells), a "
-                     "non-deterministic kernel (compare_losses --locate names the module), or the gradients' "
+                     f"non-deterministic kernel ({self._modules_hint('names the module')}), or the gradients' "
                      "reduction over the ranks")
         return [f"{self._at(rank)}: gradient of `{name}` differs before clipping, {seen}: {cause}"]
 
@@ -455,14 +469,9 @@ class TensorPrints:
         return Launches(resumed_by(self.a, self.b, step), config_differences(self.a, self.b, step))
 
     def outside_the_trainer(self) -> bool:
-        """Whether a run's fingerprints were recorded outside this project's trainer (ExactResume, the HF and
-        Lightning integrations: their config, unlike the trainer's, has no ``job.dump_folder``): no
-        stream-fingerprint option to advise there."""
-        for run in (self.a, self.b):
-            config = run.config(min(run.steps))[1] if run is not None and run.steps else None
-            if config is not None and "job.dump_folder" not in config:
-                return True
-        return False
+        """Whether a run's fingerprints were recorded outside this project's trainer: no stream-fingerprint option
+        to advise there."""
+        return any(run is not None and recorded_outside_the_trainer(run) for run in (self.a, self.b))
 
     def finding(self, up_to: int | None = None, draws: Draws | None = None) -> Finding | None:
         """The first difference up to step ``up_to`` (see :func:`locate`); None where nothing differs or a run
