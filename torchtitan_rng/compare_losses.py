@@ -16,7 +16,7 @@ runs are torchtitan's (the plug-in), whose runs record no fingerprints, it says 
 batches and the weights entering the step equal; a module's output, a loss or a gradient not): it replays that
 step of each run, from its newest checkpoint before the step or from its start, with every module call
 fingerprinted, and prints per rank the first call whose inputs are equal and whose output differs (see
-diagnosis/module_replay.py). A run trained with a ``job.custom_module`` is replayed only when the same module is
+locate_module.py). A run trained with a ``job.custom_module`` is replayed only when the same module is
 named (``--job.custom_module NAME``). The exit codes stay those above; a run that cannot be replayed is one
 ``error:`` line, exit 2.
 """
@@ -185,7 +185,7 @@ def _locate(run_a: Path, run_b: Path, prints: TensorPrints, finding: Finding | N
                           "is then compared)")
     else:
         # Imported here: replaying needs torch, which comparing does not.
-        from torchtitan_rng.diagnosis.module_replay import locate_module
+        from torchtitan_rng.locate_module import locate_module
 
         yield from locate_module(run_a, run_b, finding, trusted_module)
 
