@@ -89,12 +89,14 @@ def _lightning(tmp_path: Path, stop: tuple[str, ...], checkpoint: str, stock: bo
     return _losses(tmp_path / "A", 2), _losses(tmp_path / "B", 2)
 
 
+@pytest.mark.slow  # CI's tier; test_lightning_stops stops DDP ranks by signal every day
 def test_lightning_ddp_signal_resumes_bitwise(tmp_path: Path) -> None:
     # The signal during step 3; the ranks' vote on it is read a step later.
     a, b = _lightning(tmp_path, ("--signal-at", "3"), "preempted-step=4.ckpt")
     assert len(b[1].splitlines()) == 8 and b == a
 
 
+@pytest.mark.slow  # CI's tier; test_lightning_stops stops DDP ranks by signal every day
 def test_lightning_stock_differs(tmp_path: Path) -> None:
     a, b = _lightning(tmp_path, ("--save-every", "3", "--max-steps", "3"), "step=3.ckpt", stock=True)
     assert b != a
