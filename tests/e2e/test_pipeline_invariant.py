@@ -6,7 +6,8 @@ block; the pp 2 x dp 2 checkpoint resumed on one process without stages goes on 
 Control: the ordinary mode, one process against pp 2 on the same batches, differs from the first step (a stage's
 dropout draws from its own rank's stream there).
 
-Every run is launched once (module fixture), side by side, and checked several ways. (The pieces without
+Every run is launched once (module fixtures; 1F1B with activation checkpointing and Interleaved1F1B in the
+slow tier), side by side, and checked several ways. (The pieces without
 training: tests/unit/test_pipeline_invariant.py.)
 """
 
@@ -47,30 +48,37 @@ LAYOUTS = {
     "pp2_dp2": ((*_pp2("1F1B"), "--checkpoint.enable", "--checkpoint.interval", str(STOP), "--metrics.log_samples"),
                 4),
 }
+# 1F1B with activation checkpointing and Interleaved1F1B: the slow tier, which CI runs (every day: GPipe, 1F1B at
+# pp 2 x dp 2).
+CI_TIER = ("1F1B_recomputed", "Interleaved1F1B")
+COMPARED = [pytest.param(name, marks=pytest.mark.slow) if name in CI_TIER else name
+            for name in LAYOUTS if name != "pp1"]
 # The control: the ordinary mode on the same 8 samples per step (one batch, no accumulation), two steps.
 ORDINARY = (*COMMON[:2], "--training.steps", "2", "--lr_scheduler.total_steps", "2")
+
+
+def _layout(dumps: dict[str, Path], name: str) -> None:
+    overrides, nproc = LAYOUTS[name]
+    train(dumps[name], *INVARIANT, *overrides, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("pipeline_invariant")
-    dumps = {name: folder / name for name in (*LAYOUTS, "replay", "ordinary_pp1", "ordinary_pp2")}
-
-    def layout(name: str) -> None:
-        overrides, nproc = LAYOUTS[name]
-        train(dumps[name], *INVARIANT, *overrides, nproc=nproc)
-
+    dumps = {name: folder / name for name in LAYOUTS if name not in CI_TIER}
+    dumps.update({name: folder / name for name in ("replay", "ordinary_pp1", "ordinary_pp2")})
     replayed: dict[str, subprocess.CompletedProcess] = {}
 
     def pp_dp_then_replay() -> None:
-        layout("pp2_dp2")
+        _layout(dumps, "pp2_dp2")
         together(lambda: train(dumps["replay"], *INVARIANT, "--checkpoint.enable", "--checkpoint.initial_load_path",
                                str(dumps["pp2_dp2"] / "checkpoint"), "--checkpoint.load_step", str(STOP)),
                  lambda: replayed.setdefault("tool", launch(
                      [sys.executable, "-m", "torchtitan_rng.replay", str(dumps["pp2_dp2"]), "--step", str(STOP + 1),
                       "--processes", "1"])))
 
-    together(pp_dp_then_replay, *(lambda name=name: layout(name) for name in LAYOUTS if name != "pp2_dp2"),
+    together(pp_dp_then_replay, *(lambda name=name: _layout(dumps, name) for name in LAYOUTS
+                                   if name not in ("pp2_dp2", *CI_TIER)),
              lambda: train(dumps["ordinary_pp1"], *ORDINARY),
              lambda: train(dumps["ordinary_pp2"], *ORDINARY, *_pp2("1F1B"), nproc=2))
     tool = replayed["tool"]
@@ -78,18 +86,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dumps
 
 
-@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "pp1"])
-def test_every_layout_writes_the_one_process_bits(runs: dict[str, Path], name: str) -> None:
-    assert sorted(read_loss_log(runs[name])) == list(range(1, STEPS + 1))
-    result = compare(runs["pp1"], runs[name])
+@pytest.fixture(scope="module")
+def ci_tier_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pipeline_invariant_ci")
+    dumps = {name: folder / name for name in CI_TIER}
+    together(*(lambda name=name: _layout(dumps, name) for name in CI_TIER))
+    return dumps
+
+
+def _layout_run(runs: dict[str, Path], name: str, request: pytest.FixtureRequest) -> Path:
+    return (request.getfixturevalue("ci_tier_runs") if name in CI_TIER else runs)[name]
+
+
+@pytest.mark.parametrize("name", COMPARED)
+def test_every_layout_writes_the_one_process_bits(runs: dict[str, Path], name: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    run = _layout_run(runs, name, request)
+    assert sorted(read_loss_log(run)) == list(range(1, STEPS + 1))
+    result = compare(runs["pp1"], run)
     assert result.returncode == 0, result.stdout
-    assert_every_line_matches(runs["pp1"], runs[name])
+    assert_every_line_matches(runs["pp1"], run)
 
 
-@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "pp1"])
-def test_every_layout_has_the_one_process_gradient_norm(runs: dict[str, Path], name: str) -> None:
+@pytest.mark.parametrize("name", COMPARED)
+def test_every_layout_has_the_one_process_gradient_norm(runs: dict[str, Path], name: str,
+                                                        request: pytest.FixtureRequest) -> None:
     """The norm the step clipped by: every stage's row squares, put in the whole model's order before one sum."""
-    reference, log = read_loss_log(runs["pp1"]), read_loss_log(runs[name])
+    reference, log = read_loss_log(runs["pp1"]), read_loss_log(_layout_run(runs, name, request))
     assert [log[step]["grad_norm"].hex() for step in log] == [reference[step]["grad_norm"].hex() for step in log]
 
 
