@@ -234,12 +234,15 @@ class Debug:
     deterministic: bool = _key(False, "torch's deterministic algorithms (and a fixed cuBLAS workspace)")
     rng_fingerprint: bool = _key(False, "write a fingerprint of every random stream, per rank, into each "
                                  "loss-log line (docs/diagnosis.md)")
-    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, its loss, each gradient, parameter "
-                                    "and optimizer state, per step and rank, and the run's config, into "
+    tensor_fingerprint: bool = _key(False, "write a hash of each micro-batch, its loss, each gradient and parameter, "
+                                    "per step and rank (the optimizer state at saves), and the run's config, into "
                                     "tensor_fingerprints/ in the dump folder; compare_losses then names the first "
                                     "tensor that differs (docs/diagnosis.md)")
     fingerprint_modules_at_step: int = _key(0, "with debug.tensor_fingerprint: at this step also hash the inputs and "
                                             "outputs of every module (forward hooks, that step only); 0: none")
+    fingerprint_optimizer_every_step: bool = _key(False, "with debug.tensor_fingerprint: hash the optimizer state "
+                                                  "after every step's update, not only at saves and where a process "
+                                                  "starts (with AdamW, twice the bytes a step hashes)")
     perturb_rng: str = _key("", "fault injection STREAM:RANK:STEP: one extra draw from one stream of one rank "
                             "entering one step (STREAM: " + ", ".join(RNG_STREAMS) + " or registered.NAME); "
                             "empty: off")
@@ -482,6 +485,9 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"config debug.fingerprint_modules_at_step = {config.debug.fingerprint_modules_at_step} "
                           "records module calls into the tensor fingerprints, which are off: add "
                           "--debug.tensor_fingerprint")
+    if config.debug.fingerprint_optimizer_every_step and not config.debug.tensor_fingerprint:
+        raise ConfigError("config debug.fingerprint_optimizer_every_step hashes the optimizer state into the tensor "
+                          "fingerprints, which are off: add --debug.tensor_fingerprint")
     if not config.job.dump_folder.strip():
         raise ConfigError("config job.dump_folder is empty: name a folder for the run (\".\" for the current one)")
     parse_skip_steps(config.training.skip_steps)

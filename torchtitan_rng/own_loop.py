@@ -253,7 +253,8 @@ class ExactResume:
             :meth:`load` refuses one whose signature does not match, naming the file. "" (default): unsigned.
             A named variable that is unset or empty raises :class:`CheckpointError` here.
         tensor_fingerprint: hash, per step and rank, each batch, loss and gradient (:meth:`fingerprint`), each
-            parameter and optimizer state after the update (:meth:`maybe_save`) and what a resume loaded, into
+            parameter after the update (:meth:`maybe_save`; the optimizer state too where it saves) and what a
+            resume loaded, into
             ``dump_folder/tensor_fingerprints/``: ``compare_losses`` then names the first tensor that differs.
         fingerprint_modules_at_step: with ``tensor_fingerprint``, at this step also hash every module call's
             inputs and outputs (forward hooks, that step only); 0: none.
@@ -492,7 +493,11 @@ class ExactResume:
         self.train_state.step = step
         saved = self.manager.save(step, last_step=last_step)
         if self.prints is not None and self.prints.record.get("step") == step:  # the update, after the step
-            self.prints.updated(flush=saved is not None or step >= last_step)
+            self.prints.updated(flush=False)
+            if saved is not None:
+                self.prints.saving(step)  # the optimizer state, where a checkpoint holds it
+            elif step >= last_step:
+                self.prints.flush()
             if step < last_step:
                 self.prints.step_begin(step + 1)
         return saved
@@ -502,6 +507,8 @@ class ExactResume:
         self.train_state.step = step
         path = self.manager.save(step, force=True)
         assert path is not None  # a forced save always writes (or already wrote) this step
+        if self.prints is not None:
+            self.prints.saving(step)
         return path
 
     def should_stop(self, step: int) -> bool:

@@ -211,7 +211,11 @@ class Trainer:
                 if sync_point:
                     samples.sync()
             if self.tensor_prints is not None:
-                self.tensor_prints.updated(flush=sync_point)
+                self.tensor_prints.updated(flush=False)
+                if self.checkpointer.should_save(step, last_step) or (stop and self.checkpointer.enable):
+                    self.tensor_prints.saving(step)  # the optimizer state, where a checkpoint holds it
+                elif sync_point:
+                    self.tensor_prints.flush()
             written: list[dict[str, Any]] = []
             if loss_log is not None:
                 loss_log.write(line)

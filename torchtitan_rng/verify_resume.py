@@ -104,7 +104,9 @@ def _common_overrides(request: Request) -> list[str]:
     return [
         *request.overrides,
         "--lr_scheduler.total_steps", str(lr_total_steps(config)),
-        "--debug.rng_fingerprint", "--debug.tensor_fingerprint",
+        # The optimizer state at every step: A saves no checkpoint where B stops, and what B's resume loaded is
+        # compared with A's state there.
+        "--debug.rng_fingerprint", "--debug.tensor_fingerprint", "--debug.fingerprint_optimizer_every_step",
         # Both runs start from scratch, whatever the config says about loading.
         "--checkpoint.initial_load_path=", "--checkpoint.load_step", "-1",
     ]

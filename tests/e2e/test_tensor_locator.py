@@ -16,6 +16,7 @@ STEPS, STOP_AT = 6, 3
 COMMON = ("--lr_scheduler.total_steps", str(STEPS), "--training.global_batch_size", "16", "--debug.tensor_fingerprint",
           "--debug.fingerprint_modules_at_step", "1")
 WHOLE = ("--training.steps", str(STEPS))  # stop_and_resume gives its own
+SAVES_AT_STOP = ("--checkpoint.enable", "--checkpoint.interval", str(STOP_AT))
 Capture = pytest.CaptureFixture[str]
 FAULTS = ("--job.custom_module", "tests.support.divergences")
 
@@ -27,7 +28,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
              "one_micro_batch", "no_dropout", "other_draws", "seed")
     dumps = {name: tmp_path_factory.mktemp(name) for name in names}
     together(
-        lambda: train(dumps["reference"], *WHOLE, *COMMON),
+        # Saving where B stops: its optimizer state is hashed there, and B's loaded state compared with it.
+        lambda: train(dumps["reference"], *WHOLE, *COMMON, *SAVES_AT_STOP),
         lambda: stop_and_resume(dumps["resumed"], STOP_AT, STEPS, *COMMON),
         lambda: train(dumps["data"], *WHOLE, *COMMON, "--debug.perturb_rng", "dataloader:0:3"),
         lambda: train(dumps["kernel"], *WHOLE, *COMMON, *FAULTS, "--model.name", "llama_noisy_attention"),
@@ -168,4 +170,5 @@ def test_a_key_changed_at_a_resume_is_named_by_the_key(runs: dict[str, Path], sl
     code, out = _compare(runs["reference"], slow_runs["max_norm"], capsys)
     assert code == 1 and (f"step {STOP_AT + 1}, rank 0: gradients equal, parameter `") in out, out
     assert ("after the update differs (the optimizer: its state or its hyperparameters; the configs differ in "
-            f"training.max_norm 1.0 → 0.5 (B's resume entering step {STOP_AT + 1}))") in out, out
+            f"training.max_norm 1.0 → 0.5 (B's resume entering step {STOP_AT + 1}); the optimizer state equal where "
+            "last compared, entering this step)") in out, out

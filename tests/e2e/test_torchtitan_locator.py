@@ -133,7 +133,8 @@ def test_max_norm_changed_at_the_resume_is_the_update(runs: dict[str, Path], cap
     assert code == 1 and lines == [
         f"step {STOP + 1}, rank 0: gradients equal on every rank, parameter `tok_embeddings.weight` after the update "
         "differs (the optimizer: its state or its hyperparameters; the configs differ in training.max_norm 1.0 → "
-        f"0.01 (B's resume entering step {STOP + 1}))"], lines
+        f"0.01 (B's resume entering step {STOP + 1}); the optimizer state equal where last compared, entering this "
+        "step)"], lines
 
 
 def test_pipeline_stages_are_compared_rank_by_rank(runs: dict[str, Path], capsys: Capture) -> None:

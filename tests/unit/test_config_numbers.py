@@ -55,6 +55,9 @@ def test_a_toml_nested_too_deep_is_one_line(tmp_path: Path, capsys: pytest.Captu
     (["--debug.fingerprint_modules_at_step", "3"],
      "config debug.fingerprint_modules_at_step = 3 records module calls into the tensor fingerprints, which are off: "
      "add --debug.tensor_fingerprint"),
+    (["--debug.fingerprint_optimizer_every_step"],
+     "config debug.fingerprint_optimizer_every_step hashes the optimizer state into the tensor fingerprints, which "
+     "are off: add --debug.tensor_fingerprint"),
     (["--job.dump_folder", ""], 'config job.dump_folder is empty: name a folder for the run ("." for the current one)'),
     (["--job.dump_folder", "  "], 'config job.dump_folder is empty: name a folder for the run ("." for the current one)'),
 ])
@@ -65,4 +68,6 @@ def test_a_setting_that_would_do_nothing_or_write_elsewhere_is_one_line(flags: l
     # Controls: with the fingerprints on, the module step is taken; "." names the current folder.
     assert parse_args(["--job.config_file", CONFIG, "--debug.fingerprint_modules_at_step", "3",
                        "--debug.tensor_fingerprint"]).debug.fingerprint_modules_at_step == 3
+    assert parse_args(["--job.config_file", CONFIG, "--debug.fingerprint_optimizer_every_step",
+                       "--debug.tensor_fingerprint"]).debug.fingerprint_optimizer_every_step
     assert parse_args(["--job.config_file", CONFIG, "--job.dump_folder", "."]).job.dump_folder == "."

@@ -43,7 +43,8 @@ CONFIG = {"debug.seed": 0, "training.max_norm": 1.0, "job.dump_folder": "A", "de
 def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modules_at: int = 2,
               resumed_at: int | None = None, losses: bool = False, draws: bool = False,
               config: dict[str, Any] | None = None) -> Lines:
-    """A run's lines: every rank its own batches; gradients, parameters and state replicated over ranks. With
+    """A run's lines: every rank its own batches; gradients, parameters and (at the saves, every 2 steps) optimizer
+    state replicated over ranks. With
     ``losses`` each rank's micro-batch losses, with ``draws`` each module call's draws (attention draws), with
     ``config`` the config rank 0 records where a process starts."""
     lines: Lines = {}
@@ -69,7 +70,8 @@ def synthetic(world_size: int = 2, steps: int = 4, micro_batches: int = 2, modul
                                    for mb in range(micro_batches) for name in ("embed", "layers.0.attn", "output")]
             line["grad"] = {name: _value("grad", step, name) for name in PARAMS}
             line["param"] = {name: _value("param", step, name) for name in PARAMS}
-            line["optim"] = {f"{name}.exp_avg": _value("optim", step, name) for name in PARAMS}
+            if step % 2 == 0:
+                line["optim"] = {f"{name}.exp_avg": _value("optim", step, name) for name in PARAMS}
             lines[step][rank] = line
     return lines
 
@@ -137,14 +139,13 @@ def _gradient_at_a_plain_step(lines: Lines) -> None:
 
 
 def _optimizer(lines: Lines) -> None:
-    for line in lines[3].values():
+    for line in lines[4].values():
         line["param"]["embed.weight"] += 1
         line["optim"]["embed.weight.exp_avg"] += 1
-    _later_too(lines, 4)
 
 
 def _optimizer_state_only(lines: Lines) -> None:
-    lines[3][0]["optim"]["output.weight.exp_avg"] += 1
+    lines[4][0]["optim"]["output.weight.exp_avg"] += 1
 
 
 CASES = {
@@ -164,12 +165,13 @@ CASES = {
                                                       "--debug.rng_fingerprint tells), a non-deterministic kernel "
                                                       "(compare_losses --locate names the module), or "
                                                       "the gradients' reduction over the ranks"),
-    "optimizer": (_optimizer, "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
+    "optimizer": (_optimizer, "step 4, rank 0: gradients equal on every rank, parameter `embed.weight` after the "
                               "update differs (the optimizer: its state or its hyperparameters, e.g. the learning "
-                              "rate)"),
-    "optimizer_state": (_optimizer_state_only, "step 3, rank 0: gradients equal on every rank, parameters after the "
+                              "rate; the optimizer state equal where last compared, entering step 3)"),
+    "optimizer_state": (_optimizer_state_only, "step 4, rank 0: gradients equal on every rank, parameters after the "
                                                "update equal, optimizer state `output.weight.exp_avg` differs (the "
-                                               "optimizer's state: what it carries to the next step)"),
+                                               "optimizer's state: what it carries to the next step; the optimizer "
+                                               "state equal where last compared, entering step 3)"),
 }
 
 
@@ -192,6 +194,25 @@ def test_a_state_perturbed_at_a_resume_is_named_entering_the_step(tmp_path: Path
         "what the resume loaded differs: the checkpoint or its loading, not this step's training)"]
 
 
+def test_an_optimizer_state_loaded_wrong_is_named_where_the_other_run_saved_it(tmp_path: Path) -> None:
+    """The optimizer state is hashed where a process starts and at saves only: a resume's loaded state is compared
+    with the other run's state where that run saved at the same step, and otherwise the verdict says it was not."""
+    a, b = synthetic(), synthetic(resumed_at=3)  # A saved after step 2 (every 2 steps), B resumed from there
+    for line in b[3].values():
+        line["entering"]["optim"]["embed.weight.exp_avg"] += 1
+        line["param"]["embed.weight"] += 1  # its first update with the wrong moments
+    _later_too(b, 4)
+    assert first_difference(tmp_path / "saved", a, b) == [
+        "step 3, rank 0: optimizer state `embed.weight.exp_avg` entering the step differs, before any batch (B "
+        "resumed here: what the resume loaded differs: the checkpoint or its loading, not this step's training)"]
+    for line in a[2].values():  # A saved no checkpoint at step 2: nothing to compare B's loaded state with
+        del line["optim"]
+    assert first_difference(tmp_path / "unsaved", a, b) == [
+        "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the update differs (the "
+        "optimizer: its state or its hyperparameters, e.g. the learning rate; the optimizer state B's resume loaded "
+        "not compared: A hashed none after step 2 (it is hashed where a process starts and at saves))"]
+
+
 def _over(world_size: int, lines: Lines, sharded: tuple[str, ...]) -> Lines:
     """``lines`` (one process, micro-batches 0..N-1) as trained by ``world_size`` ranks of N/world_size micro-batches
     each: batches dealt out in order, the named tensors sharded (each rank's hash a part; the parts add up)."""
@@ -205,13 +226,13 @@ def _over(world_size: int, lines: Lines, sharded: tuple[str, ...]) -> Lines:
             line["world_size"] = world_size
             line["batch"] = copy.deepcopy(whole["batch"][rank * share:(rank + 1) * share][::-1])  # another order
             line.pop("modules", None)
-            for prints in (line["grad"], line["param"], line["optim"], *line.get("entering", {}).values()):
+            for prints in (line["grad"], line["param"], line.get("optim", {}), *line.get("entering", {}).values()):
                 for name, value in prints.items():
                     if name.split(".exp_avg")[0] in sharded:
                         part = value // world_size
                         prints[name] = part if rank else value - part * (world_size - 1)
             if step == 1:
-                line["sharded"] = [name for name in [*line["grad"], *line["optim"]]
+                line["sharded"] = [name for name in [*line["grad"], *lines[2][0]["optim"]]
                                    if name.split(".exp_avg")[0] in sharded]
             out[step][rank] = line
     return out
@@ -368,7 +389,7 @@ def test_a_key_changed_at_a_resume_is_named_from_the_two_records(tmp_path: Path)
     assert first_difference(tmp_path, a, b) == [
         "step 3, rank 0: gradients equal on every rank, parameter `embed.weight` after the update differs (the "
         "optimizer: its state or its hyperparameters; the configs differ in training.max_norm 1.0 → 0.5 (B's resume "
-        "entering step 3))"]
+        "entering step 3); the optimizer state equal where last compared, entering this step)"]
 
 
 def _rng_log(folder: Path, losses: list[float], run: str, ranks: int = 2) -> None:
@@ -675,6 +696,8 @@ def _train(dump: Path, steps: int, *flags: str) -> TensorFingerprints | None:
         optimizer.step()
         optimizer.zero_grad()
         prints.updated(flush=step == steps)
+        if step in (2, steps):  # saves: the one at the last step comes after its line was written
+            prints.saving(step)
     prints.close()
     assert not model.embed._forward_hooks  # the module hooks came off after their step
     return prints
@@ -685,18 +708,24 @@ def test_the_recorder_writes_exact_ints_and_hooks_one_step(tmp_path: Path) -> No
     assert not (tmp_path / "off").exists()
     _train(tmp_path / "on", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
     lines = [json.loads(line) for line in prints_path(tmp_path / "on", 0).read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3]
-    assert set(lines[0]) == {"step", "world_size", "entering", "config", "batch", "loss", "grad", "param", "optim"}
+    assert [line["step"] for line in lines] == [1, 2, 3, 3]  # step 3 again, whole, with what its save added
+    assert set(lines[0]) == {"step", "world_size", "entering", "config", "batch", "loss", "grad", "param"}
+    assert "optim" not in lines[2] and lines[3] == {**lines[2], "optim": lines[3]["optim"]}
     assert lines[0]["config"] == {"debug.seed": 0} and "config" not in lines[1]  # where the process started
     assert all(len(line["loss"]) == 1 and isinstance(line["loss"][0], int) for line in lines)
     # Each call: its name, input and output hashes, and null where it drew no random number.
     assert [call[0] for call in lines[1]["modules"]] == ["embed", "out"] and "modules" not in lines[2]
     assert [call[3] for call in lines[1]["modules"]] == [None, None]
-    assert set(lines[2]["optim"]) == {f"{name}.{key}" for name in ("embed.weight", "out.weight", "out.bias")
+    assert set(lines[1]["optim"]) == {f"{name}.{key}" for name in ("embed.weight", "out.weight", "out.bias")
                                       for key in ("step", "exp_avg", "exp_avg_sq")}
     torch.manual_seed(0)
     expected = _Tiny()
     assert lines[0]["entering"]["param"]["embed.weight"] == int(tensor_hash(expected.embed.weight))
+    # With debug.fingerprint_optimizer_every_step, every step's line holds the optimizer state.
+    _train(tmp_path / "every", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_optimizer_every_step")
+    every = [json.loads(line) for line in prints_path(tmp_path / "every", 0).read_text().splitlines()]
+    assert [line["step"] for line in every] == [1, 2, 3] and all("optim" in line for line in every)
+    assert every[1]["optim"] == lines[1]["optim"]
     # A second identical run: every fingerprint equal (the control); then the file's steps are comparable.
     _train(tmp_path / "again", 3, "--debug.tensor_fingerprint", "--debug.fingerprint_modules_at_step", "2")
     assert TensorPrints(tmp_path / "on", tmp_path / "again").report()[0] == "equal"
@@ -737,7 +766,9 @@ def _steps(dump: Path, first: int, last: int, state: dict[str, Any] | None = Non
         prints.gradients()
         optimizer.step()
         optimizer.zero_grad()
-        prints.updated(flush=step == last)
+        prints.updated(flush=False)
+        if step % 2 == 0:  # a checkpoint every 2 steps: the optimizer state is hashed there
+            prints.saving(step)
     prints.close()
     return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 

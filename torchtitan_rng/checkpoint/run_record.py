@@ -56,7 +56,8 @@ QUIET = (
     "dataloader.num_workers",  # ExactResume's loader: the same policy as data.num_workers
     "data.capture_worker_rng",  # like checkpoint.restore_rng: switched off only to see what breaks
     "debug.rng_fingerprint", "debug.perturb_rng",  # observation, and deliberate fault injection
-    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step",  # observation: hashes, hooks that change nothing
+    # Observation: hashes, hooks that change nothing.
+    "debug.tensor_fingerprint", "debug.fingerprint_modules_at_step", "debug.fingerprint_optimizer_every_step",
 )
 # Keys whose change a resume names (a note) instead of refusing: the change is what the user came to make, and
 # the resumed steps are then exactly those of a run launched with the new value (why, for each).

@@ -3,9 +3,10 @@
 At each step both runs hold, in the order a step makes them: the state entering it where a process started
 there (a resume loads it), the batch of each micro-batch, the module calls (at ``debug.fingerprint_modules_at_step``),
 each rank's micro-batch losses (before any reduction over ranks), the gradients before clipping, then the
-parameters and the optimizer state after the update. The first of these that differs, rank by rank, is named in
-plain words with what it implies (the data, random draws, a kernel, the optimizer), with the keys in which the
-two runs' configs differ where that is what the verdict turns on (each process records its config).
+parameters after the update and, at the steps a run saved, its optimizer state. The first of these that differs,
+rank by rank, is named in plain words with what it implies (the data, random draws, a kernel, the optimizer), with
+the keys in which the two runs' configs differ where that is what the verdict turns on (each process records its
+config).
 
 Two runs over other process counts are compared as whole steps: the samples of a step as a set, each sharded
 tensor as the sum of its shards' hashes (see tensor_fingerprints.py); modules and losses are then not compared.
@@ -223,9 +224,7 @@ class _Step:
             if found is not None:
                 rank, name = found
                 what = "parameter" if kind == "param" else "optimizer state"
-                resumed = [label for label, lines in (("A", self.lines_a), ("B", self.lines_b))
-                           if any("entering" in line for line in lines) and self.step > 1]
-                if resumed:
+                if resumed := self._resumed():
                     how = (f"{' and '.join(resumed)} resumed here: what the resume loaded differs: the checkpoint or "
                            "its loading, not this step's training")
                 elif (configs := self._configs()) is None:
@@ -354,10 +353,35 @@ class _Step:
                 configs = self._configs()
                 which = f"; the configs differ in {', '.join(configs)}" if configs else ", e.g. the learning rate"
                 return [f"{self._at(rank)}: {equal}, parameter `{name}` after the update differs (the optimizer: "
-                        f"its state or its hyperparameters{which})"]
+                        f"its state or its hyperparameters{which}; {self._state_compared()})"]
             return [f"{self._at(rank)}: {equal}, parameters after the update equal, optimizer state `{name}` "
-                    "differs (the optimizer's state: what it carries to the next step)"]
+                    f"differs (the optimizer's state: what it carries to the next step; {self._state_compared()})"]
         return None
+
+    def _resumed(self) -> list[str]:
+        """The runs (A, B) whose process started at this step after step 1: a resume."""
+        return [label for label, lines in (("A", self.lines_a), ("B", self.lines_b))
+                if any("entering" in line for line in lines) and self.step > 1]
+
+    def _state_compared(self) -> str:
+        """Where the optimizer state was last compared before this step's update. Each run hashes it where a
+        process starts and at its saves (a difference there is named there); an empty state (before any update)
+        is not counted as compared."""
+        last = next((after for after in range(self.step - 1, -1, -1)
+                     if all(run.entering(after + 1, 0, "optim") for run in (self.a, self.b))), None)
+        if last == self.step - 1:
+            return "the optimizer state equal where last compared, entering this step"
+        how = "it is hashed where a process starts and at saves"
+        if last is None:
+            compared = f"the optimizer state not compared before ({how})"
+        else:
+            compared = f"the optimizer state equal where last compared, entering step {last + 1}"
+        if len(resumed := self._resumed()) == 1:
+            other = "A" if resumed == ["B"] else "B"
+            loaded = (f"the optimizer state {resumed[0]}'s resume loaded not compared: {other} hashed none after step "
+                      f"{self.step - 1} ({how})")
+            return loaded if last is None else f"{loaded}; {compared}"
+        return compared
 
 
 def _split(line: dict[str, Any]) -> str:
@@ -490,8 +514,8 @@ class TensorPrints:
         finding = self.finding(up_to, draws)
         if finding is None:
             span = f"up to step {up_to}" if up_to is not None else "at every step both hold"
-            return "equal", [f"every tensor fingerprint equal {span} (batches, gradients, parameters, optimizer "
-                             "state)"]
+            return "equal", [f"every tensor fingerprint equal {span} (batches, gradients, parameters, and the "
+                             "optimizer state where both hashed it: at starts and saves)"]
         return "found", ["the first tensor that differs: " + finding.lines[0], *finding.lines[1:]]
 
     def lines_for(self, first_loss_step: int | None, draws: Draws | None = None) -> list[str]:

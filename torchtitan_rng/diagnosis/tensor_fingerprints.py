@@ -4,8 +4,11 @@ Each rank appends one JSON line per step to ``{dump_folder}/tensor_fingerprints/
 
 * ``batch``: per micro-batch this rank consumed, per batch entry (``input``/``labels``, Flux's entries), one hash
   per sample (row), position-sensitive (a reordered sample changes it);
-* ``grad``: each gradient before clipping; ``param``: each parameter after the update; ``optim``: each tensor of
-  the optimizer state after the update (``NAME.exp_avg``...);
+* ``grad``: each gradient before clipping; ``param``: each parameter after the update;
+* ``optim`` (at the steps a checkpoint is saved; every step with ``debug.fingerprint_optimizer_every_step``): each
+  tensor of the optimizer state after the update (``NAME.exp_avg``...). Not at every step by default: with AdamW it
+  is twice the parameters' bytes, and a step's update already shows in its parameters; where a checkpoint holds
+  it, a resume's ``entering`` state is compared with it;
 * ``entering`` (on the first step a process trains: after a resume, the state just loaded): ``param``/``optim``;
 * ``loss``: each micro-batch's loss on this rank, before any reduction over ranks;
 * ``modules`` (at step ``debug.fingerprint_modules_at_step``): ``[name, [input hashes], [output hashes], drew]``
@@ -202,6 +205,7 @@ class TensorFingerprints:
         self.model, self.optimizer, self.world_size = model, optimizer, world_size
         self.config = config if rank == 0 else None
         self.modules_at = debug.fingerprint_modules_at_step
+        self.optimizer_every_step = debug.fingerprint_optimizer_every_step
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.names = {id(p): name for name, p in self.params}
         self.sharded: set[str] = set()  # the names of sharded tensors hashed so far, written when new
@@ -209,6 +213,7 @@ class TensorFingerprints:
         self.first = True
         self._sharded_now: set[str] = set()
         self.record: dict[str, Any] = {}
+        self._updated: dict[str, Any] = {}  # the line of the last step whose update is done (``saving`` adds to it)
         self._hooks: list[Any] = []
 
     def batches(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -271,16 +276,35 @@ class TensorFingerprints:
         self.record["grad"] = {name: self._hash(name, p.grad) for name, p in self.params if p.grad is not None}
 
     def updated(self, flush: bool) -> None:
-        """After the update: parameters and optimizer state; the line is queued (written at ``flush``)."""
+        """After the update: the parameters (and the optimizer state, where asked for every step); the line is
+        queued (written at ``flush``)."""
         self.record["param"] = self._params()
-        self.record["optim"] = self._optim()
-        if new := sorted(self._sharded_now - self.sharded):
-            self.record["sharded"] = new
-            self.sharded.update(new)
-        self._sharded_now = set()
+        if self.optimizer_every_step:
+            self.record["optim"] = self._optim()
+        self._name_sharded(self.record)
+        self._updated = self.record
         self.writer.write(self.record)
         if flush:
             self.writer.flush()
+
+    def saving(self, step: int) -> None:
+        """A checkpoint of the state after ``step`` is being saved: that step's line gets the optimizer state, and
+        what is queued is written (a save reads the device anyway). Where the line was written already, it is
+        written again whole, and the later line counts."""
+        line = self._updated
+        if line.get("step") == step and "optim" not in line:
+            line["optim"] = self._optim()
+            self._name_sharded(line)
+            if not any(queued is line for queued in self.writer.pending):
+                self.writer.write(line)
+        self.writer.flush()
+
+    def _name_sharded(self, line: dict[str, Any]) -> None:
+        """The sharded tensors hashed for the first time, named in ``line``."""
+        if new := sorted(self._sharded_now - self.sharded):
+            line["sharded"] = sorted({*line.get("sharded", []), *new})
+            self.sharded.update(new)
+        self._sharded_now = set()
 
     def _hash(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, DTensor) and any(isinstance(place, Shard) for place in tensor.placements):

@@ -20,9 +20,9 @@
 * ``train(resume_from_checkpoint=True)`` starts afresh, with one line, when ``output_dir`` holds no checkpoint
   yet (the stock Trainer raises): one job script serves the first launch and every resumption;
 * with ``tensor_fingerprint=True``, per optimizer step and process, hashes of each micro-batch, its loss, the
-  gradients before clipping, the parameters and optimizer state after the update, and the state a resume
-  loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md): ``compare_losses`` names the first
-  tensor that differs between two runs.
+  gradients before clipping, the parameters after the update (the optimizer state too where a checkpoint is
+  saved), and the state a resume loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md):
+  ``compare_losses`` names the first tensor that differs between two runs.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class _Fingerprints(transformers.TrainerCallback):
     def on_save(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                 control: transformers.TrainerControl, **kwargs: Any) -> None:
         if self.prints is not None:
-            self.prints.flush()
+            self.prints.saving(state.global_step)  # with the optimizer state the checkpoint holds
 
     def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
                      control: transformers.TrainerControl, **kwargs: Any) -> None:

@@ -22,9 +22,9 @@ collate_fn, shuffle or not). Then:
   folder holds a preempted one says so in one warning naming it: a preempted run is never trained again from
   step 1 silently;
 * with ``tensor_fingerprint=True``, per optimizer step and rank, hashes of each micro-batch, its loss, the
-  gradients before clipping, the parameters and optimizer state after the update, and the state a resume
-  loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md): ``compare_losses`` names the first
-  tensor that differs between two runs.
+  gradients before clipping, the parameters after the update (the optimizer state too where a checkpoint is
+  saved), and the state a resume loaded, in ``dump_folder/tensor_fingerprints/`` (docs/diagnosis.md):
+  ``compare_losses`` names the first tensor that differs between two runs.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class ExactResumeCallback(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if self._prints is not None and self._prints.prints is not None:
-            self._prints.prints.flush()  # the fingerprints so far, read at the save's own sync
+            self._prints.prints.saving(trainer.global_step)  # with the optimizer state the checkpoint holds
         loaders = _epoch_loaders(trainer)  # during training, or after it (its end position)
         if not loaders:  # saved before any training: there is no loader position to keep
             return

@@ -154,7 +154,7 @@ class ExactResumeCheckpointManager(CheckpointManager):
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         """Called after every step's update, with checkpointing on or off: the update's fingerprints first."""
         if self.prints is not None:
-            self.prints.updated(flush=False)  # read at the next logged step's log, or at a save
+            self.prints.updated(flush=False)  # read at the next logged step's log, or at a save (``_save``)
         return super().save(curr_step, last_step)
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -164,9 +164,12 @@ class ExactResumeCheckpointManager(CheckpointManager):
         """Called after every step: the stock save, or on an agreed stop signal a full save and the end."""
         self.streams.step = curr_step
         assert self.stop is not None
-        if self.prints is not None and self._should_save(curr_step, last_step):
-            self.prints.flush()  # a save reads the device anyway: a kill after it loses no recorded step
-        if not self.stop.agreed():
+        stopping = self.stop.agreed()
+        if self.prints is not None and (stopping or self._should_save(curr_step, last_step)):
+            # With the optimizer state the checkpoint holds; written now (a save reads the device anyway): a kill
+            # after the save loses no recorded step.
+            self.prints.saving(curr_step)
+        if not stopping:
             if self._should_save(curr_step, last_step):
                 check_mask_groups(curr_step, self._mask_groups, self.trainer.device)
             self._write_record(curr_step, last_step)
