@@ -6,6 +6,7 @@ first thing that differs."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from tests.support.integrations import PRELOAD
 from tests.support.launch import launch, together
 from torchtitan_rng.compare_losses import main as compare_losses
+from torchtitan_rng.diagnosis.locator import prints_path
 
 # The slow tier (CI runs it): the fast suite keeps its time budget; the own loop's runs stand for the recorder there.
 pytestmark = pytest.mark.slow
@@ -113,3 +115,15 @@ def test_clipping_changed_at_the_resume_is_the_update(runs: tuple[Integration, d
         f"step {STOP_AT + 1}, rank 0: gradients equal, parameter `body.0.weight` after the update differs (the "
         f"optimizer: its state or its hyperparameters; the configs differ in {integration.update_key} 0.05 → 0.01 "
         f"(B's resume entering step {STOP_AT + 1}); {state})"], lines
+
+
+def test_the_optimizer_state_is_hashed_at_each_save(runs: tuple[Integration, dict[str, Path]]) -> None:
+    """At the stop's save (Lightning's save_last comes after the callbacks' on_train_end) and at the resume: the
+    state B saved and the state it loaded, hashed. Control: a step without a save has none."""
+    lines = {}
+    for line in prints_path(runs[1]["resumed"], 0).read_text().splitlines():
+        record = json.loads(line)
+        lines[record["step"]] = record  # a step written twice counts by its later line
+    assert lines[STOP_AT].get("optim") and lines[STOP_AT + 1]["entering"]["optim"], lines[STOP_AT].keys()
+    assert lines[STOP_AT]["optim"] == lines[STOP_AT + 1]["entering"]["optim"]  # what was saved is what was loaded
+    assert "optim" not in lines[STOP_AT - 1]

@@ -125,8 +125,8 @@ class ExactResumeCallback(L.Callback):
             val_loop.run = _PreservingStreams(val_loop.run, vars(val_loop).get("run"), self, self._loaders[0].device)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._prints is not None:
-            self._prints.close()
+        # The fingerprints stay open until teardown: ModelCheckpoint's save_last runs after this hook (Lightning
+        # puts checkpoint callbacks last), and its save adds the optimizer state to the last step's line.
         # The vote cast at the last step (every rank has one in flight): a signal during it is saved here.
         if self._vote is not None and self._vote.close():
             self._save_preempted(trainer)
