@@ -254,8 +254,8 @@ class ExactResume:
             A named variable that is unset or empty raises :class:`CheckpointError` here.
         tensor_fingerprint: hash, per step and rank, each batch, loss and gradient (:meth:`fingerprint`), each
             parameter after the update (:meth:`maybe_save`; the optimizer state too where it saves) and what a
-            resume loaded, into
-            ``dump_folder/tensor_fingerprints/``: ``compare_losses`` then names the first tensor that differs.
+            resume loaded, into ``dump_folder/tensor_fingerprints/``: ``compare_losses`` then names the first
+            tensor that differs.
         fingerprint_modules_at_step: with ``tensor_fingerprint``, at this step also hash every module call's
             inputs and outputs (forward hooks, that step only); 0: none.
         dump_folder: where the fingerprints go, beside your loss log (``compare_losses`` reads both from it);
