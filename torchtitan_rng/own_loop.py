@@ -258,6 +258,8 @@ class ExactResume:
             tensor that differs.
         fingerprint_modules_at_step: with ``tensor_fingerprint``, at this step also hash every module call's
             inputs and outputs (forward hooks, that step only); 0: none.
+        fingerprint_optimizer_every_step: with ``tensor_fingerprint``, hash the optimizer state after every
+            step's update, not only where it saves and starts (with AdamW, twice the bytes a step hashes).
         dump_folder: where the fingerprints go, beside your loss log (``compare_losses`` reads both from it);
             default: the folder holding ``folder`` (a URL ``folder`` needs it given).
 
@@ -277,7 +279,7 @@ class ExactResume:
                  seed: int | None = None, device: torch.device | None = None,
                  config: Mapping[str, Any] | None = None, stop_signals: Sequence[str] = (),
                  signing_key_env: str = "", tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
-                 dump_folder: str | Path | None = None) -> None:
+                 fingerprint_optimizer_every_step: bool = False, dump_folder: str | Path | None = None) -> None:
         if interval < 1:
             raise ValueError(f"interval = {interval}: it must be >= 1")
         if fingerprint_modules_at_step < 0:
@@ -310,7 +312,8 @@ class ExactResume:
                                              None)
         self.manager.run_record = self.record
         self.prints: TensorFingerprints | None = build_tensor_fingerprints(
-            Debug(tensor_fingerprint=tensor_fingerprint, fingerprint_modules_at_step=fingerprint_modules_at_step),
+            Debug(tensor_fingerprint=tensor_fingerprint, fingerprint_modules_at_step=fingerprint_modules_at_step,
+                  fingerprint_optimizer_every_step=fingerprint_optimizer_every_step),
             model, optimizer, rank=self.rank, world_size=self.world_size,
             dump_folder=Path(dump_folder) if dump_folder is not None else Path(folder).parent,
             config=self.record["config"])

@@ -18,9 +18,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import TensorDataset
 
 from tests.support.ranks import end_rank
 
+from torchtitan_rng import ExactResume, build_dataloader
 from torchtitan_rng.compare_losses import main as compare_main
 from torchtitan_rng.config import parse_args
 from torchtitan_rng.diagnosis.locator import (Draws, TensorPrints, locate, module_origins, prints_path,
@@ -816,3 +818,40 @@ def test_runs_recorded_outside_the_trainer_are_told_their_own_option_and_not_rep
     assert first_difference(tmp_path / "own", synthetic(config=trainer),
                             _changed(_gradient_at_a_plain_step, config=trainer))[0].endswith(
         "(compare_losses --locate names the module), or the gradients' reduction over the ranks")
+
+
+def _own_loop_lines(folder: Path, every_step: bool) -> dict[int, dict[str, Any]]:
+    """Four steps of an ExactResume loop saving every 2 steps, and once more by its own ``save`` after step 3 (as
+    a signal's save): each step's line as the locator reads it (a step written twice counts by its later line)."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = build_dataloader(TensorDataset(torch.arange(32.0).view(16, 2)), batch_size=2, seed=0)
+    with ExactResume(folder / "checkpoint", model=model, optimizer=optimizer, dataloader=loader, interval=2, seed=0,
+                     tensor_fingerprint=True, fingerprint_optimizer_every_step=every_step) as exact:
+        exact.load()
+        batches = iter(loader)
+        exact.restore_rng()
+        for step in range(1, 5):
+            (inputs,) = next(batches)
+            loss = model(inputs).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            exact.fingerprint((inputs,), loss)
+            optimizer.step()
+            exact.maybe_save(step, last_step=4)
+            if step == 3:
+                exact.save(step)
+    lines = {}
+    for text in prints_path(folder, 0).read_text().splitlines():
+        line = json.loads(text)
+        lines[line["step"]] = line
+    return lines
+
+
+def test_the_own_loop_hashes_the_optimizer_state_at_its_saves_or_every_step(tmp_path: Path) -> None:
+    saves = _own_loop_lines(tmp_path / "saves", every_step=False)
+    assert [step for step, line in saves.items() if "optim" in line] == [2, 3, 4]  # the interval's and its own save
+    every = _own_loop_lines(tmp_path / "every", every_step=True)
+    assert [step for step, line in every.items() if "optim" in line] == [1, 2, 3, 4]
+    assert all(every[step]["optim"] == saves[step]["optim"] for step in (2, 3, 4))  # the same state, hashed alike

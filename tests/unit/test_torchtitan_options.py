@@ -42,6 +42,13 @@ BAD = {
     "a module step with fingerprints off": ({"tensor_fingerprint": False, "fingerprint_modules_at_step": 3},
                                             'exact_resume option "fingerprint_modules_at_step" hashes module calls '
                                             'into the tensor fingerprints: add "tensor_fingerprint": true'),
+    "a word for the optimizer flag": ({"tensor_fingerprint": True, "fingerprint_optimizer_every_step": "yes"},
+                                      'exact_resume option "fingerprint_optimizer_every_step" is "yes", not true or '
+                                      'false'),
+    "the optimizer every step without fingerprints": ({"fingerprint_optimizer_every_step": True},
+                                                      'exact_resume option "fingerprint_optimizer_every_step" hashes '
+                                                      'the optimizer state into the tensor fingerprints: add '
+                                                      '"tensor_fingerprint": true'),
 }
 
 
@@ -72,7 +79,8 @@ def test_a_bad_option_is_one_line_naming_it_as_written_and_exit_2(case: str,
                                                                  "worker_streams": True},
                                      {"tensor_fingerprint": True}, {"tensor_fingerprint": False},
                                      {"tensor_fingerprint": True, "fingerprint_modules_at_step": 4},
-                                     {"tensor_fingerprint": False, "fingerprint_modules_at_step": 0}])
+                                     {"tensor_fingerprint": False, "fingerprint_modules_at_step": 0},
+                                     {"tensor_fingerprint": True, "fingerprint_optimizer_every_step": True}])
 def test_good_options_build_the_plugins_config(options: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     from torchtitan.components.checkpointer import CheckpointManager
 

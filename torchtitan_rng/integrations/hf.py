@@ -117,8 +117,8 @@ class _Fingerprints(transformers.TrainerCallback):
     """``tensor_fingerprint``: the recorder, built at the first step (the optimizer exists then, and a resume has
     loaded); each optimizer step begins it, its end records the update, a save writes what is queued."""
 
-    def __init__(self, trainer: transformers.Trainer, modules_at: int, dump_folder: str | Path | None) -> None:
-        self.trainer, self.modules_at, self.dump_folder = trainer, modules_at, dump_folder
+    def __init__(self, trainer: transformers.Trainer, debug: Debug, dump_folder: str | Path | None) -> None:
+        self.trainer, self.debug, self.dump_folder = trainer, debug, dump_folder
         self.prints: TensorFingerprints | None = None
 
     def on_step_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
@@ -127,8 +127,7 @@ class _Fingerprints(transformers.TrainerCallback):
             config = json.loads(json.dumps({f"args.{key}": value for key, value in args.to_dict().items()
                                             if not any(part in key for part in _WHERE)}, default=repr))
             self.prints = TensorFingerprints(
-                Debug(tensor_fingerprint=True, fingerprint_modules_at_step=self.modules_at), self.trainer.model,
-                self.trainer.optimizer, rank=args.process_index, world_size=args.world_size,
+                self.debug, self.trainer.model, self.trainer.optimizer, rank=args.process_index, world_size=args.world_size,
                 dump_folder=Path(self.dump_folder if self.dump_folder is not None else args.output_dir),
                 config=config)
         self.prints.step_begin(state.global_step + 1)
@@ -173,13 +172,16 @@ class ExactResumeTrainer(transformers.Trainer):
             before clipping, the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``.
         fingerprint_modules_at_step: with ``tensor_fingerprint``, at this optimizer step also hash every module
             call's inputs and outputs (up to the step's clipping); 0: none.
+        fingerprint_optimizer_every_step: with ``tensor_fingerprint``, hash the optimizer state after every
+            step's update, not only at saves and where training starts (with AdamW, twice the bytes a step hashes).
         dump_folder: where the fingerprints go, beside the run's loss log (``compare_losses`` reads both from
             it); default: ``output_dir``.
     """
 
     def __init__(self, *args: Any, on_stock_checkpoint: str = "error", on_num_workers_change: str = "error",
                  tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
-                 dump_folder: str | Path | None = None, **kwargs: Any) -> None:
+                 fingerprint_optimizer_every_step: bool = False, dump_folder: str | Path | None = None,
+                 **kwargs: Any) -> None:
         for name, value in (("on_stock_checkpoint", on_stock_checkpoint),
                             ("on_num_workers_change", on_num_workers_change)):
             if value not in ("error", "warn"):
@@ -201,7 +203,9 @@ class ExactResumeTrainer(transformers.Trainer):
         if fingerprint_modules_at_step < 0:
             raise ConfigError(f"ExactResumeTrainer fingerprint_modules_at_step={fingerprint_modules_at_step}: it "
                               "must be >= 0")
-        self._prints = _Fingerprints(self, fingerprint_modules_at_step, dump_folder) if tensor_fingerprint else None
+        debug = Debug(tensor_fingerprint=True, fingerprint_modules_at_step=fingerprint_modules_at_step,
+                      fingerprint_optimizer_every_step=fingerprint_optimizer_every_step)
+        self._prints = _Fingerprints(self, debug, dump_folder) if tensor_fingerprint else None
         if self._prints is not None:
             self.callback_handler.callbacks.insert(1, self._prints)
 

@@ -72,6 +72,8 @@ class ExactResumeCallback(L.Callback):
             before clipping, the update, what a resume loaded) into ``dump_folder/tensor_fingerprints/``.
         fingerprint_modules_at_step: with ``tensor_fingerprint``, at this optimizer step also hash every module
             call's inputs and outputs (up to the step's clipping); 0: none.
+        fingerprint_optimizer_every_step: with ``tensor_fingerprint``, hash the optimizer state after every
+            step's update, not only at saves and where training starts (with AdamW, twice the bytes a step hashes).
         dump_folder: where the fingerprints go, beside the run's loss log; default ``default_root_dir``.
 
     After ``fit()``, ``preempted_checkpoint`` is the path of that checkpoint when a signal stopped the run
@@ -80,11 +82,13 @@ class ExactResumeCallback(L.Callback):
 
     def __init__(self, dirpath: str | Path | None = None, seed: int | None = None, *,
                  tensor_fingerprint: bool = False, fingerprint_modules_at_step: int = 0,
-                 dump_folder: str | Path | None = None) -> None:
+                 fingerprint_optimizer_every_step: bool = False, dump_folder: str | Path | None = None) -> None:
         if fingerprint_modules_at_step < 0:
             raise ConfigError(f"ExactResumeCallback fingerprint_modules_at_step={fingerprint_modules_at_step}: it "
                               "must be >= 0")
-        self._prints = _Fingerprints(fingerprint_modules_at_step, dump_folder) if tensor_fingerprint else None
+        debug = Debug(tensor_fingerprint=True, fingerprint_modules_at_step=fingerprint_modules_at_step,
+                      fingerprint_optimizer_every_step=fingerprint_optimizer_every_step)
+        self._prints = _Fingerprints(debug, dump_folder) if tensor_fingerprint else None
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.seed = seed
         self.preempted_checkpoint: Path | None = None
@@ -259,8 +263,8 @@ class _Fingerprints:
     """``tensor_fingerprint``: the recorder, built at the first batch (the optimizer exists then, and a resume has
     loaded); each optimizer step begins at its first micro-batch and ends, recorded, after its update."""
 
-    def __init__(self, modules_at: int, dump_folder: str | Path | None) -> None:
-        self.modules_at, self.dump_folder = modules_at, dump_folder
+    def __init__(self, debug: Debug, dump_folder: str | Path | None) -> None:
+        self.debug, self.dump_folder = debug, dump_folder
         self.prints: TensorFingerprints | None = None
 
     def batch(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
@@ -270,8 +274,7 @@ class _Fingerprints:
                       "trainer.accumulate_grad_batches": trainer.accumulate_grad_batches,
                       **{f"hparams.{key}": value for key, value in pl_module.hparams.items()}}
             self.prints = TensorFingerprints(
-                Debug(tensor_fingerprint=True, fingerprint_modules_at_step=self.modules_at), pl_module,
-                trainer.optimizers[0] if trainer.optimizers else None, rank=trainer.global_rank,
+                self.debug, pl_module, trainer.optimizers[0] if trainer.optimizers else None, rank=trainer.global_rank,
                 world_size=trainer.world_size,
                 dump_folder=Path(self.dump_folder if self.dump_folder is not None else trainer.default_root_dir),
                 config=json.loads(json.dumps(config, default=repr)))

@@ -22,8 +22,9 @@ torchtitan applies the override before it builds its components: the run's ``Che
   metrics from (under pipeline parallelism, the last stage's), so ``python -m torchtitan_rng.compare_losses``
   reads torchtitan runs; written with or without ``--checkpoint.enable`` (``loss_log``);
 * with the option ``tensor_fingerprint``, the tensor locator's fingerprints (``tensor_fingerprints/rank{R}.jsonl``
-  in ``dump_folder``: each micro-batch, its loss, the gradients before clipping, the update, what a resume loaded;
-  the module calls at ``fingerprint_modules_at_step``), hashed on the device and read when torchtitan logs a step,
+  in ``dump_folder``: each micro-batch, its loss, the gradients before clipping, the update, what a resume loaded,
+  the optimizer state at saves (every step with ``fingerprint_optimizer_every_step``); the module calls at
+  ``fingerprint_modules_at_step``), hashed on the device and read when torchtitan logs a step,
   so ``compare_losses`` names the first tensor two torchtitan runs differ in (``fingerprints``);
 * the run record of this project (``run.json``: every resolved config key and the versions) in every
   checkpoint; a resume whose config differs in a key that can change the losses names each such key in a
@@ -89,7 +90,7 @@ provide_presplit_step()
 def exact_resume(config: CheckpointManager.Config, **options: Any) -> ExactResumeCheckpointManager.Config:
     """The override: the run's checkpoint settings, on :class:`ExactResumeCheckpointManager`. ``options``
     (``signals``, ``restore_streams_at``, ``worker_streams``, ``tensor_fingerprint``,
-    ``fingerprint_modules_at_step``) come from
+    ``fingerprint_modules_at_step``, ``fingerprint_optimizer_every_step``) come from
     ``--override.imports 'TARGET={"signals": [...]}'``. A bad one: one line from rank 0, then exit 2 on every rank
     (torchtitan applies overrides on every rank, after starting the process group), no traceback."""
     try:

@@ -99,7 +99,7 @@ def _without_module_calls(prints: TensorFingerprints, run: Any) -> Any:
     return run_unrecorded
 
 
-def attach_tensor_fingerprints(trainer: Any, modules_at: int) -> TensorFingerprints:
+def attach_tensor_fingerprints(trainer: Any, debug: Debug) -> TensorFingerprints:
     """The recorder of this rank, writing into ``{dump_folder}/tensor_fingerprints/rank{R}.jsonl``, hooked into the
     trainer's ``forward_backward_step`` (each micro-batch, its loss before any reduction over the ranks, the
     gradients after the step's last one) and ``metrics_processor.log`` (the queued hashes read); the caller records
@@ -109,8 +109,7 @@ def attach_tensor_fingerprints(trainer: Any, modules_at: int) -> TensorFingerpri
     values = config_values(trainer.config)
     config = {key: value for key, value in values.items()
               if not is_quiet(key) or (key == "training.steps" and horizon_matters(values))}
-    prints = TensorFingerprints(Debug(tensor_fingerprint=True, fingerprint_modules_at_step=modules_at),
-                                _ModelParts(trainer.model_parts),
+    prints = TensorFingerprints(debug, _ModelParts(trainer.model_parts),
                                 _OptimizerStates(trainer.optimizers),  # type: ignore[arg-type]
                                 rank=rank, world_size=world_size, dump_folder=Path(trainer.config.dump_folder),
                                 config=config)
@@ -135,7 +134,7 @@ def attach_tensor_fingerprints(trainer: Any, modules_at: int) -> TensorFingerpri
         prints.flush()  # queued before this step's loss was read to the host: ready, no wait
         return log(*args, **kwargs)
 
-    if modules_at and trainer.parallel_dims.pp_enabled:
+    if debug.fingerprint_modules_at_step and trainer.parallel_dims.pp_enabled:
         _skip_metadata_inference(prints, trainer.pp_schedule)
     # The instances' attributes, as the loss log replaces the processor's log: the trainer calls them through self.
     trainer.forward_backward_step = recorded_step

@@ -16,6 +16,7 @@ from torchtitan_rng.checkpoint.layout import rank_key
 from torchtitan_rng.checkpoint.run_record import make_record, read_record, write_record
 from torchtitan_rng.checkpoint.safe_load import SafeFileSystemReader
 from torchtitan_rng.checkpoint.train_state import TrainState
+from torchtitan_rng.config import Debug
 from torchtitan_rng.distributed import rank_and_world_size
 from torchtitan_rng.diagnosis.tensor_fingerprints import TensorFingerprints
 from torchtitan_rng.integrations.torchtitan.drift import config_drift, config_values
@@ -55,20 +56,27 @@ class ExactResumeCheckpointManager(CheckpointManager):
         fingerprint_modules_at_step: int = 0
         """With ``tensor_fingerprint``, at this step also hash every module call's inputs and outputs (0: none)."""
 
+        fingerprint_optimizer_every_step: bool = False
+        """With ``tensor_fingerprint``, hash the optimizer state after every step's update, not only at saves and
+        where a process starts (with AdamW, twice the bytes a step hashes)."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             # The override checks its options before building this; a config built in code, here.
             check_options({"signals": self.signals, "restore_streams_at": self.restore_streams_at,
                            "worker_streams": self.worker_streams, "tensor_fingerprint": self.tensor_fingerprint,
-                           "fingerprint_modules_at_step": self.fingerprint_modules_at_step})
+                           "fingerprint_modules_at_step": self.fingerprint_modules_at_step,
+                           "fingerprint_optimizer_every_step": self.fingerprint_optimizer_every_step})
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # The trainer has built its metrics processor; the loss log is written with checkpoints off too.
         trainer = kwargs["states"][TRAIN_STATE]
         self.loss_log = attach_loss_log(trainer)
         self.prints: TensorFingerprints | None = (
-            attach_tensor_fingerprints(trainer, config.fingerprint_modules_at_step) if config.tensor_fingerprint
-            else None)  # off: nothing hooked
+            attach_tensor_fingerprints(trainer, Debug(
+                tensor_fingerprint=True, fingerprint_modules_at_step=config.fingerprint_modules_at_step,
+                fingerprint_optimizer_every_step=config.fingerprint_optimizer_every_step))
+            if config.tensor_fingerprint else None)  # off: nothing hooked
         unseeded = unseeded_run(trainer.config.debug.seed)
         if unseeded is not None and rank_and_world_size()[0] == 0:
             logger.warning(unseeded)

@@ -12,7 +12,8 @@ from torchtitan_rng.errors import ConfigError
 
 # Each option and the values it takes (what ExactResumeCheckpointManager.Config declares).
 RESTORE_POINTS = ("first_iter", "load")
-OPTIONS = ("signals", "restore_streams_at", "worker_streams", "tensor_fingerprint", "fingerprint_modules_at_step")
+OPTIONS = ("signals", "restore_streams_at", "worker_streams", "tensor_fingerprint", "fingerprint_modules_at_step",
+           "fingerprint_optimizer_every_step")
 
 
 def _shown(value: Any) -> str:
@@ -36,11 +37,14 @@ def check_options(options: dict[str, Any]) -> None:
             checkpoint_signals.signal_numbers(value, where)
         elif key == "restore_streams_at" and value not in RESTORE_POINTS:
             raise ConfigError(f"{where} is {_shown(value)}; use \"first_iter\" (exact) or \"load\"")
-        elif key in ("worker_streams", "tensor_fingerprint") and not isinstance(value, bool):
+        elif (key in ("worker_streams", "tensor_fingerprint", "fingerprint_optimizer_every_step")
+              and not isinstance(value, bool)):
             raise ConfigError(f"{where} is {_shown(value)}, not true or false")
         elif key == "fingerprint_modules_at_step" and (not isinstance(value, int) or isinstance(value, bool)
                                                        or value < 0):
             raise ConfigError(f"{where} is {_shown(value)}, not a step number (0: no step)")
-    if options.get("fingerprint_modules_at_step", 0) and options.get("tensor_fingerprint") is not True:
-        raise ConfigError("exact_resume option \"fingerprint_modules_at_step\" hashes module calls into the tensor "
-                          "fingerprints: add \"tensor_fingerprint\": true")
+    for key, what in (("fingerprint_modules_at_step", "module calls"),
+                      ("fingerprint_optimizer_every_step", "the optimizer state")):
+        if options.get(key) and options.get("tensor_fingerprint") is not True:
+            raise ConfigError(f"exact_resume option \"{key}\" hashes {what} into the tensor fingerprints: add "
+                              "\"tensor_fingerprint\": true")
