@@ -231,6 +231,14 @@ def _become(request: dict[str, Any], fds: list[int], relay: str, imported: dict[
     # The caller's blocked signals, as a new process inherits them (the launcher starts its ranks with the
     # checkpoint signals blocked until their handlers are in place).
     signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", []))
+    # The caller's ignored signals stay ignored, as across an exec; the others start as a new interpreter's do
+    # (SIGINT raising KeyboardInterrupt). The server's own are whatever its start left: a suite started in the
+    # background starts it with SIGINT ignored.
+    for signum in _RELAYED:
+        if signum in request.get("ignored", []):
+            signal.signal(signum, signal.SIG_IGN)
+        else:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -305,6 +313,11 @@ class _Reply:
         self.conn.close()
 
 
+def _ignored() -> list[int]:
+    """The relayed signals this process ignores: a process it started would ignore them too."""
+    return [int(signum) for signum in _RELAYED if signal.getsignal(signum) == signal.SIG_IGN]
+
+
 def _ask(path: str, command: dict[str, Any], fds: list[int]) -> _Reply | None:
     """Send ``command`` to the server: its reply once the child is forked, or None when it must run cold."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -341,9 +354,11 @@ def relay(path: str, python: str) -> None:
             pending.append(signum)
 
     blocked = [int(signum) for signum in signal.pthread_sigmask(signal.SIG_BLOCK, [])]
+    ignored = _ignored()  # before the relay takes every signal
     for signum in _RELAYED:
         signal.signal(signum, forward)
-    asked = _ask(path, {**parsed, "blocked": blocked, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+    asked = _ask(path, {**parsed, "blocked": blocked, "ignored": ignored, "env": dict(os.environ),
+                        "cwd": os.getcwd()}, [0, 1, 2])
     if asked is None:
         for signum in _RELAYED:
             signal.signal(signum, signal.SIG_DFL)
@@ -429,7 +444,7 @@ def run(command: list[str], *, env: dict[str, str], cwd: str | Path, timeout: fl
     if parsed is None or not enabled():
         return None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-        asked = _ask(_server(env, preload).path, {**parsed, "env": env, "cwd": str(cwd)},
+        asked = _ask(_server(env, preload).path, {**parsed, "env": env, "cwd": str(cwd), "ignored": _ignored()},
                      [null.fileno(), out.fileno(), err.fileno()])
         if asked is None:
             return None
