@@ -127,7 +127,8 @@ class _Fingerprints(transformers.TrainerCallback):
             config = json.loads(json.dumps({f"args.{key}": value for key, value in args.to_dict().items()
                                             if not any(part in key for part in _WHERE)}, default=repr))
             self.prints = TensorFingerprints(
-                self.debug, self.trainer.model, self.trainer.optimizer, rank=args.process_index, world_size=args.world_size,
+                self.debug, self.trainer.model, self.trainer.optimizer, rank=args.process_index,
+                world_size=args.world_size,
                 dump_folder=Path(self.dump_folder if self.dump_folder is not None else args.output_dir),
                 config=config)
         self.prints.step_begin(state.global_step + 1)
